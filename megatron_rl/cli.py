@@ -1,0 +1,53 @@
+"""The `megatron-rl` command: one entry point, one subcommand per job.
+
+Each subcommand lives in the module that owns the job and exposes `main(argv) -> int`; this file
+only dispatches, importing the owner lazily so that `megatron-rl cost` never pays for importing
+Megatron or SGLang.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help). The module's `main(argv)` parses its own arguments.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("megatron_rl.train", "run RL training from a YAML recipe with dotted overrides"),
+    "fit": ("megatron_rl.scaling.cli", "fit compute-scaling curves to validation logs"),
+    "cost": ("megatron_rl.scaling.cost", "estimate GPU-hours and the generator:trainer split"),
+    "convert": ("megatron_rl.convert", "convert checkpoints between HF and Megatron"),
+    "eval": ("megatron_rl.evaluate", "evaluate a checkpoint on a held-out set"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = ["usage: megatron-rl SUBCOMMAND [ARGS...]", "", "subcommands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "`megatron-rl SUBCOMMAND --help` shows the subcommand's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"megatron-rl: unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}",
+              file=sys.stderr)
+        return 2
+    module_name = SUBCOMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            print(f"megatron-rl {name}: not available in this build ({module_name} is missing)",
+                  file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
