@@ -1,0 +1,877 @@
+"""The run configuration: one tree of frozen dataclasses (`RunConfig` and its sections) that YAML
+recipes and dotted command-line overrides (`train.lr=5e-7`) fill, and the only place run settings
+are defined. Every field is type- and range-checked when its section is built, cross-section rules
+when the `RunConfig` is built, and every error names the field by its dotted path with the allowed
+values or the fix; a config is never mutated afterwards (derive a new one with
+`dataclasses.replace`). Defaults are the ScaleRL recipe (SCALERL.md); field names follow
+Megatron's and SGLang's own where one exists. The docs (`docs/config.md`) and the default recipe
+(`examples/configs/scalerl_default.yaml`) are generated from these dataclasses and their help
+texts, so they cannot drift from the code.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import operator
+import re
+import sys
+import textwrap
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import yaml
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "EvalConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
+    "config_reference_markdown",
+    "config_to_dict",
+    "config_to_yaml",
+    "load_config",
+    "save_config",
+]
+
+# Used only when the models/ registry is not importable; the registry is the source of truth.
+MODEL_FAMILIES = ("llama4", "qwen3_moe")
+# Families whose layers include MoE blocks: Megatron needs sequence parallelism with TP > 1 there.
+MOE_MODEL_FAMILIES = frozenset({"llama4", "qwen3_moe"})
+INTERRUPTION_PHRASE = (
+    "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
+)
+
+
+class ConfigError(ValueError):
+    """A run configuration that cannot be used; the message names the field and the fix."""
+
+
+_BOUNDS = {
+    "ge": (operator.ge, ">="),
+    "gt": (operator.gt, ">"),
+    "le": (operator.le, "<="),
+    "lt": (operator.lt, "<"),
+}
+
+
+def _field(default: Any, help: str, **bounds: float) -> Any:
+    """A config field: its default, its one-line meaning (docs, YAML comments, error messages)
+    and optional numeric bounds (ge / gt / le / lt), checked on construction."""
+    assert set(bounds) <= set(_BOUNDS), bounds
+    return field(default=default, metadata={"help": help, "bounds": bounds})
+
+
+def _section(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help, "bounds": {}})
+
+
+# --------------------------------------------------------------------------------------------
+# Field checking shared by every section
+# --------------------------------------------------------------------------------------------
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _literal_values(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) is Literal:
+        return typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(v for arg in typing.get_args(hint) for v in _literal_values(arg))
+    return ()
+
+
+def _describe(hint: Any) -> str:
+    """The allowed values of a type hint, in words (error messages and docs)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+             type(None): "null"}
+    if hint in names:
+        return names[hint]
+    return f"a {hint.__name__}"
+
+
+def _suggest(word: Any, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(str(word), list(choices), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _coerce(path: str, value: Any, hint: Any) -> Any:
+    """`value` checked against `hint`; an int where a float is expected becomes a float. Bools are
+    not integers and strings are not numbers here: YAML's `true` or `"5"` in a numeric field is a
+    mistake to report, not to guess around."""
+    origin = typing.get_origin(hint)
+    ok = False
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
+        for option in typing.get_args(hint):
+            if option is not type(None):
+                try:
+                    return _coerce(path, value, option)
+                except ConfigError:
+                    pass
+    elif origin is Literal:
+        ok = isinstance(value, str) and value in typing.get_args(hint)
+    elif hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        _require(math.isfinite(value), f"{path}: must be a finite number, got {value!r}")
+        return float(value)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint in (bool, str) or dataclasses.is_dataclass(hint):
+        ok = isinstance(value, hint)
+    if ok:
+        return value
+    got = "null" if value is None else f"{type(value).__name__} {value!r}"
+    message = f"{path}: expected {_describe(hint)}, got {got}"
+    accepted = (hint, *typing.get_args(hint))
+    literals = _literal_values(hint)
+    if literals and isinstance(value, str):
+        message += _suggest(value, literals)
+    elif isinstance(value, str) and (int in accepted or float in accepted):
+        message += " (write numbers unquoted, e.g. 5e-7 not '5e-7')"
+    elif str in accepted and value is not None:
+        message += " (quote it to make it a string)"
+    raise ConfigError(message)
+
+
+def _check_bounds(path: str, value: Any, bounds: dict[str, float], help: str) -> None:
+    if value is None:
+        return
+    for key, limit in bounds.items():
+        compare, symbol = _BOUNDS[key]
+        if not compare(value, limit):
+            raise ConfigError(f"{path}: must be {symbol} {limit}, got {value!r} ({help})")
+
+
+def _check_fields(obj: Any) -> None:
+    """Type- and range-check every field of a section (named by its `SECTION` dotted path)."""
+    hints = _type_hints(type(obj))
+    for f in fields(obj):
+        path = _join(obj.SECTION, f.name)
+        value = _coerce(path, getattr(obj, f.name), hints[f.name])
+        _check_bounds(path, value, f.metadata["bounds"], f.metadata["help"])
+        object.__setattr__(obj, f.name, value)  # only the int -> float normalisation changes it
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ModelConfig:
+    """The policy model: a family registered in models/ and one of its sizes. `name` and `size`
+    are checked against `models.get_model_family` when the registry is importable. FP8 needs
+    Transformer Engine (`use_transformer_engine: true`, GPU only)."""
+
+    SECTION: ClassVar[str] = "model"
+
+    name: str = _field("llama4", "model family registered in models/: llama4 or qwen3_moe")
+    size: str = _field("tiny", "size variant of the family (llama4: tiny, scout, maverick; "
+                       "qwen3_moe: tiny, 30b_a3b)")
+    hf_checkpoint: str | None = _field(None, "Hugging Face checkpoint directory to start from; "
+                                       "null = random initialisation (tests, tiny runs)")
+    params_dtype: Literal["bfloat16", "float32"] = _field(
+        "bfloat16", "trainer parameter and compute dtype (Megatron params_dtype)")
+    use_transformer_engine: bool = _field(
+        False, "Transformer Engine layer spec (GPU only); false = Megatron's local spec (CPU)")
+    fp8: Literal["delayed", "current"] | None = _field(
+        None, "FP8 training: delayed or current (per-tensor) scaling, Megatron fp8_recipe "
+        "'delayed' / 'tensorwise'; null = no FP8; needs use_transformer_engine")
+    fp32_lm_head: bool = _field(
+        True, "LM-head logits, log-probs and entropy in FP32, chunked (SCALERL.md section 6)")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _require(self.fp8 is None or self.use_transformer_engine,
+                 f"model.fp8: FP8 ({self.fp8!r}) runs only on Transformer Engine layers; set "
+                 "model.use_transformer_engine=true (GPU) or model.fp8=null")
+        _check_model_family(self.name, self.size)
+
+
+def _model_registry() -> Any:
+    """`models.get_model_family`, or None when the registry is not importable (config is usable
+    without the model packages, e.g. by the cost model)."""
+    try:
+        module = importlib.import_module("models")
+    except ModuleNotFoundError as err:
+        if err.name == "models":
+            return None
+        raise
+    return getattr(module, "get_model_family", None)
+
+
+def _check_model_family(name: str, size: str) -> None:
+    get_model_family = _model_registry()
+    if get_model_family is None:
+        _require(name in MODEL_FAMILIES,
+                 f"model.name: unknown model family {name!r}; choose one of "
+                 f"{', '.join(MODEL_FAMILIES)}{_suggest(name, MODEL_FAMILIES)}")
+        return
+    try:
+        family = get_model_family(name)
+    except LookupError as err:  # KeyError and IndexError
+        raise ConfigError(f"model.name: {err.args[0] if err.args else err}") from err
+    except ValueError as err:
+        raise ConfigError(f"model.name: {err}") from err
+    sizes = tuple(family.sizes)
+    _require(size in sizes, f"model.size: {size!r} is not a size of model family {name!r}; "
+             f"choose one of {', '.join(sizes)}{_suggest(size, sizes)}")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ParallelismConfig:
+    """How the trainer ranks are split (Megatron's names and rules). tensor x pipeline x context
+    parallel sizes must divide `world_size`; the rest is data parallel. Expert layers use their
+    own grid: expert_model_parallel_size x expert_tensor_parallel_size x
+    pipeline_model_parallel_size must divide `world_size` too (megatron/core/parallel_state.py).
+    Sequence parallelism needs tensor parallelism; MoE models with tensor parallelism need
+    sequence parallelism (checked on the run config, which knows the model)."""
+
+    SECTION: ClassVar[str] = "parallelism"
+
+    world_size: int = _field(1, "number of trainer ranks (generators are separate: "
+                             "rollout.num_generators)", ge=1)
+    tensor_model_parallel_size: int = _field(1, "tensor-parallel size (TP)", ge=1)
+    pipeline_model_parallel_size: int = _field(1, "pipeline-parallel size (PP)", ge=1)
+    context_parallel_size: int = _field(1, "context-parallel size (CP): splits each sequence",
+                                        ge=1)
+    expert_model_parallel_size: int = _field(1, "expert-parallel size (EP): experts split "
+                                             "across ranks", ge=1)
+    expert_tensor_parallel_size: int = _field(1, "tensor-parallel size inside each expert (ETP)",
+                                              ge=1)
+    sequence_parallel: bool = _field(False, "shard norms/dropout activations along the sequence "
+                                     "over the TP group (needs TP > 1)")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        dense = (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                 * self.context_parallel_size)
+        _require(self.world_size % dense == 0,
+                 f"parallelism.world_size: tensor_model_parallel_size "
+                 f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+                 f"({self.pipeline_model_parallel_size}) x context_parallel_size "
+                 f"({self.context_parallel_size}) = {dense} must divide world_size "
+                 f"({self.world_size}); use a world_size that is a multiple of {dense} or "
+                 "smaller parallel sizes")
+        expert = (self.expert_model_parallel_size * self.expert_tensor_parallel_size
+                  * self.pipeline_model_parallel_size)
+        _require(self.world_size % expert == 0,
+                 f"parallelism.expert_model_parallel_size: expert_model_parallel_size "
+                 f"({self.expert_model_parallel_size}) x expert_tensor_parallel_size "
+                 f"({self.expert_tensor_parallel_size}) x pipeline_model_parallel_size "
+                 f"({self.pipeline_model_parallel_size}) = {expert} must divide world_size "
+                 f"({self.world_size}) (Megatron's expert grid); lower EP/ETP or raise world_size")
+        _require(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
+                 "parallelism.sequence_parallel: needs tensor_model_parallel_size > 1 (Megatron "
+                 "rejects it otherwise); set parallelism.sequence_parallel=false or raise TP")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """world_size / (TP x PP x CP): replicas of the dense layers."""
+        return self.world_size // (self.tensor_model_parallel_size
+                                   * self.pipeline_model_parallel_size
+                                   * self.context_parallel_size)
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """world_size / (EP x ETP x PP): replicas of each expert."""
+        return self.world_size // (self.expert_model_parallel_size
+                                   * self.expert_tensor_parallel_size
+                                   * self.pipeline_model_parallel_size)
+
+
+@functools.cache
+def _sglang_attention_backends() -> tuple[str, ...] | None:
+    """SGLang's own list of attention backends, read from its choices module without importing
+    the sglang package (which takes ~15 s); None if SGLang is absent or laid out differently."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "srt/arg_groups/choices.py"
+    if not path.is_file():
+        return None
+    namespace: dict[str, Any] = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # plain lists of strings
+    choices = namespace.get("ATTENTION_BACKEND_CHOICES")
+    return tuple(choices) if choices else None
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RolloutConfig:
+    """The generators (SGLang engines) and how completions are sampled. A completion has at most
+    thinking_budget + solution_budget tokens; with forced interruption, a generation that reaches
+    a budget drawn uniformly in [thinking_budget_min, thinking_budget] gets `interruption_phrase`
+    appended (excluded from the loss; its tokens count against the solution budget) and continues
+    for up to solution_budget tokens (SCALERL.md section 5). Pipeline-RL (`mode: pipeline`) pushes
+    weights to the generators in flight and keeps the trainer at most max_off_policyness steps
+    ahead of its oldest data (k = 0 is synchronous on-policy); `ppo_off_policy` generates
+    k x prompts_per_step prompts with one policy and then takes k optimizer steps (k >= 1).
+    tp_size, ep_size, dtype, mem_fraction_static, enable_fp32_lm_head and attention_backend are
+    SGLang server arguments of each generator (ep_size must divide tp_size)."""
+
+    SECTION: ClassVar[str] = "rollout"
+
+    backend: Literal["sglang"] = _field("sglang", "generation engine")
+    mode: Literal["pipeline", "ppo_off_policy"] = _field(
+        "pipeline", "asynchrony: Pipeline-RL with in-flight weight updates, or the "
+        "PPO-off-policy-k baseline (SCALERL.md section 7)")
+    num_generators: int = _field(1, "number of generator engines", ge=1)
+    samples_per_prompt: int = _field(16, "G: completions sampled per prompt (the group of the "
+                                     "group-relative advantage)", ge=2)
+    max_prompt_tokens: int = _field(2048, "longest prompt in tokens (part of the sequence "
+                                    "budget)", ge=1)
+    thinking_budget: int = _field(12288, "most thinking tokens of one completion", ge=1)
+    thinking_budget_min: int = _field(10240, "low end of the forced-interruption budget, drawn "
+                                      "uniformly in [thinking_budget_min, thinking_budget]", ge=1)
+    solution_budget: int = _field(2048, "most tokens after the thinking part (incl. the "
+                                  "interruption phrase)", ge=1)
+    forced_interruption: bool = _field(True, "append interruption_phrase at the thinking budget "
+                                       "and let the model answer (ScaleRL length control)")
+    interruption_phrase: str = _field(INTERRUPTION_PHRASE, "text appended at a forced "
+                                      "interruption (not sampled: excluded from the loss)")
+    temperature: float = _field(1.0, "sampling temperature", gt=0.0)
+    top_p: float = _field(1.0, "nucleus-sampling mass", gt=0.0, le=1.0)
+    max_off_policyness: int = _field(8, "k: most optimizer steps the trainer may be ahead of the "
+                                     "oldest data it consumes (Pipeline-RL-k; 0 = synchronous)",
+                                     ge=0)
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = _field(
+        "auto", "generator weight/activation dtype (SGLang dtype; auto = the checkpoint's)")
+    tp_size: int = _field(1, "tensor-parallel size of each generator (SGLang tp_size)", ge=1)
+    ep_size: int = _field(1, "expert-parallel size of each generator (SGLang ep_size)", ge=1)
+    mem_fraction_static: float | None = _field(
+        None, "fraction of device memory for weights + KV cache (SGLang mem_fraction_static); "
+        "null = SGLang's choice", gt=0.0, lt=1.0)
+    enable_fp32_lm_head: bool = _field(True, "FP32 logits on the generator (SGLang "
+                                       "enable_fp32_lm_head; SCALERL.md section 6)")
+    attention_backend: str | None = _field(None, "SGLang attention_backend (e.g. "
+                                           "torch_native on CPU); null = SGLang's default")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _require(self.thinking_budget_min <= self.thinking_budget,
+                 f"rollout.thinking_budget_min: {self.thinking_budget_min} exceeds "
+                 f"rollout.thinking_budget ({self.thinking_budget}); the interruption budget is "
+                 "drawn from [thinking_budget_min, thinking_budget]")
+        _require(not self.forced_interruption or self.interruption_phrase.strip() != "",
+                 "rollout.interruption_phrase: empty; give the phrase or set "
+                 "rollout.forced_interruption=false")
+        _require(self.mode != "ppo_off_policy" or self.max_off_policyness >= 1,
+                 "rollout.max_off_policyness: ppo_off_policy takes k >= 1 optimizer steps per "
+                 "generated batch; got 0")
+        _require(self.tp_size % self.ep_size == 0,
+                 f"rollout.ep_size: {self.ep_size} must divide rollout.tp_size ({self.tp_size}) "
+                 "(SGLang splits each generator's TP group into expert-parallel groups)")
+        if self.attention_backend is not None:
+            backends = _sglang_attention_backends()
+            _require(backends is None or self.attention_backend in backends,
+                     f"rollout.attention_backend: {self.attention_backend!r} is not an SGLang "
+                     f"attention backend; choose one of {', '.join(backends or ())} or null"
+                     f"{_suggest(self.attention_backend, backends or ())}")
+
+    @property
+    def max_response_tokens(self) -> int:
+        """thinking_budget + solution_budget: the longest completion."""
+        return self.thinking_budget + self.solution_budget
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """max_prompt_tokens + max_response_tokens: the longest prompt + completion."""
+        return self.max_prompt_tokens + self.max_response_tokens
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AlgorithmConfig:
+    """The RL objective (SCALERL.md sections 3-5). `loss` picks CISPO (truncated importance
+    sampling at eps_max; ScaleRL), DAPO / GRPO (clipped surrogate with eps_low / eps_high; GRPO's
+    usual setting is eps_high = eps_low = 0.2) or GSPO (sequence-level ratio clipped at
+    gspo_eps_low / gspo_eps_high). The length penalty (DAPO-style, an ablation alternative to
+    forced interruption) needs length_penalty_cache_length < length_penalty_max_length."""
+
+    SECTION: ClassVar[str] = "algorithm"
+
+    loss: Literal["cispo", "dapo", "grpo", "gspo"] = _field("cispo", "policy loss")
+    eps_max: float = _field(5.0, "CISPO: importance-ratio truncation, sg(min(ratio, eps_max)) "
+                            "(paper: 4, 5, 8 alike)", gt=0.0)
+    eps_low: float = _field(0.2, "DAPO/GRPO: lower clip, ratio >= 1 - eps_low", gt=0.0, lt=1.0)
+    eps_high: float = _field(0.28, "DAPO/GRPO: upper clip, ratio <= 1 + eps_high", gt=0.0)
+    gspo_eps_low: float = _field(3e-4, "GSPO: lower clip of the sequence ratio", gt=0.0, lt=1.0)
+    gspo_eps_high: float = _field(4e-4, "GSPO: upper clip of the sequence ratio", gt=0.0)
+    aggregation: Literal["prompt", "sample", "token"] = _field(
+        "prompt", "how token losses become the scalar loss (global denominators): per-prompt "
+        "token average (ScaleRL), per-sample mean, or token mean (DAPO)")
+    advantage_normalization: Literal["batch", "prompt", "none"] = _field(
+        "batch", "divide group-centred advantages by the batch std (ScaleRL), the group's std "
+        "(GRPO) or nothing")
+    zero_variance_filter: bool = _field(True, "drop prompts whose G rewards are all equal from "
+                                        "the loss and the batch std")
+    no_positive_resampling: bool = _field(True, "retire prompts whose pass rate reached "
+                                          "npr_threshold from later epochs")
+    npr_threshold: float = _field(0.9, "pass rate at which No-Positive-Resampling retires a "
+                                  "prompt", gt=0.0, le=1.0)
+    length_penalty: bool = _field(False, "add the DAPO overlong penalty to correct answers' "
+                                  "rewards")
+    length_penalty_max_length: int = _field(14336, "L_max: completions longer than this get the "
+                                            "full penalty -1", ge=1)
+    length_penalty_cache_length: int = _field(2048, "L_cache: the penalty ramps from 0 to -1 "
+                                              "over the last L_cache tokens before L_max", ge=1)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _require(self.length_penalty_cache_length < self.length_penalty_max_length,
+                 f"algorithm.length_penalty_cache_length: {self.length_penalty_cache_length} must "
+                 f"be < algorithm.length_penalty_max_length ({self.length_penalty_max_length})")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class TrainConfig:
+    """The optimizer-step loop of the trainers. global_batch_size counts completions per
+    optimizer step and must be a multiple of rollout.samples_per_prompt (whole groups);
+    micro_batch_max_tokens must fit the longest sequence (rollout.max_sequence_tokens). Both are
+    checked on the run config. Learning-rate schedule: linear warm-up over lr_warmup_steps, then
+    constant (ScaleRL) or a linear / cosine decay to min_lr at num_steps (Megatron
+    lr_decay_style)."""
+
+    SECTION: ClassVar[str] = "train"
+
+    num_steps: int = _field(1000, "optimizer steps of the run (paper: 7,000+ on large runs)",
+                            ge=1)
+    global_batch_size: int = _field(768, "completions per optimizer step (48 prompts x 16)", ge=1)
+    micro_batch_max_tokens: int = _field(16384, "token budget of one packed micro-batch "
+                                         "(per trainer model replica)", ge=1)
+    lr: float = _field(5e-7, "peak learning rate (paper A.3)", gt=0.0)
+    min_lr: float = _field(0.0, "learning rate at num_steps for decaying schedules", ge=0.0)
+    lr_warmup_steps: int = _field(100, "linear warm-up steps from 0 to lr", ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = _field(
+        "constant", "after warm-up: constant (ScaleRL) or decay to min_lr")
+    clip_grad: float = _field(1.0, "gradient-norm clipping threshold; 0 = off", ge=0.0)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        _require(self.min_lr <= self.lr,
+                 f"train.min_lr: {self.min_lr} exceeds train.lr ({self.lr})")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class OptimizerConfig:
+    """The optimizer (paper A.3: AdamW, eps 1e-15, weight decay 0.01). Megatron's `adam` is
+    AdamW (decoupled weight decay)."""
+
+    SECTION: ClassVar[str] = "optimizer"
+
+    name: Literal["adamw"] = _field("adamw", "optimizer")
+    adam_beta1: float = _field(0.9, "AdamW beta1", ge=0.0, lt=1.0)
+    adam_beta2: float = _field(0.999, "AdamW beta2", ge=0.0, lt=1.0)
+    adam_eps: float = _field(1e-15, "AdamW epsilon", gt=0.0)
+    weight_decay: float = _field(0.01, "decoupled weight decay", ge=0.0)
+    use_distributed_optimizer: bool = _field(True, "shard optimizer state over data-parallel "
+                                             "ranks (Megatron distributed optimizer)")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EvalConfig:
+    """Held-out validation feeding the compute-scaling curve (SCALERL.md section 1): mean pass
+    rate over samples_per_prompt samples of num_heldout_prompts prompts held out of training."""
+
+    SECTION: ClassVar[str] = "eval"
+
+    interval_steps: int = _field(100, "evaluate every this many optimizer steps; 0 = never", ge=0)
+    num_heldout_prompts: int = _field(1000, "prompts held out of the training data", ge=1)
+    samples_per_prompt: int = _field(16, "samples per held-out prompt (mean@16)", ge=1)
+    at_step_zero: bool = _field(True, "evaluate before training: R0 of the curve fit")
+    warmup_compute_gpu_hours: float = _field(1500.0, "curve points before this much compute are "
+                                             "excluded from fits", ge=0.0)
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class CheckpointConfig:
+    """Checkpoints (model, optimizer, RNG, sampler/NPR state, buffer, curve log). `dir` defaults
+    to <output_dir>/checkpoints (RunConfig.checkpoint_dir)."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+
+    dir: str | None = _field(None, "where checkpoints are written; null = "
+                             "<output_dir>/checkpoints")
+    interval_steps: int = _field(100, "save every this many optimizer steps; 0 = only at the "
+                                 "end", ge=0)
+    keep_last: int = _field(3, "checkpoints kept on disk (older ones deleted); 0 = keep all",
+                            ge=0)
+    load: str | None = _field(None, "checkpoint directory to resume from; null = fresh start")
+    format: Literal["torch_dist"] = _field("torch_dist", "checkpoint format (Megatron "
+                                           "ckpt_format; resharding across parallel layouts)")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoggingConfig:
+    """Metrics output. `tensorboard_dir` defaults to <output_dir>/tensorboard
+    (RunConfig.tensorboard_dir)."""
+
+    SECTION: ClassVar[str] = "logging"
+
+    tensorboard_dir: str | None = _field(None, "TensorBoard event directory; null = "
+                                         "<output_dir>/tensorboard")
+    log_interval: int = _field(1, "log metrics every this many optimizer steps", ge=1)
+    progress_bar: bool = _field(True, "show a progress bar on the driver")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RunConfig:
+    """One RL run. Rules spanning sections: train.global_batch_size is a multiple of
+    rollout.samples_per_prompt; train.micro_batch_max_tokens >= rollout.max_sequence_tokens;
+    MoE models with tensor parallelism need parallelism.sequence_parallel. `seed` is the one seed
+    of the run (model init, prompt order and sampling seeds derive from it)."""
+
+    SECTION: ClassVar[str] = ""
+
+    name: str = _field("scalerl", "run name (logs, TensorBoard)")
+    output_dir: str = _field("runs/scalerl", "run directory: saved config, default checkpoint "
+                             "and TensorBoard directories")
+    seed: int = _field(1234, "the run's seed", ge=0)
+    model: ModelConfig = _section(ModelConfig, "the policy model")
+    parallelism: ParallelismConfig = _section(ParallelismConfig, "trainer parallel layout")
+    rollout: RolloutConfig = _section(RolloutConfig, "generators and sampling")
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig, "RL objective")
+    train: TrainConfig = _section(TrainConfig, "optimizer-step loop")
+    optimizer: OptimizerConfig = _section(OptimizerConfig, "optimizer")
+    eval: EvalConfig = _section(EvalConfig, "held-out validation")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "checkpoints")
+    logging: LoggingConfig = _section(LoggingConfig, "metrics output")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        group = self.rollout.samples_per_prompt
+        batch = self.train.global_batch_size
+        lower = batch - batch % group
+        nearest = f"{lower} or {lower + group}" if lower else f"{group}"
+        _require(batch % group == 0,
+                 f"train.global_batch_size: {batch} is not a multiple of "
+                 f"rollout.samples_per_prompt ({group}); a step takes whole groups: use "
+                 f"{nearest}")
+        longest = self.rollout.max_sequence_tokens
+        _require(self.train.micro_batch_max_tokens >= longest,
+                 f"train.micro_batch_max_tokens: {self.train.micro_batch_max_tokens} cannot hold "
+                 f"the longest sequence (rollout.max_sequence_tokens = max_prompt_tokens + "
+                 f"thinking_budget + solution_budget = {longest}); raise it to >= {longest} or "
+                 "lower the rollout budgets")
+        par = self.parallelism
+        _require(self.model.name not in MOE_MODEL_FAMILIES or par.tensor_model_parallel_size == 1
+                 or par.sequence_parallel,
+                 f"parallelism.sequence_parallel: MoE model {self.model.name!r} with "
+                 f"tensor_model_parallel_size={par.tensor_model_parallel_size} needs "
+                 "sequence parallelism; set parallelism.sequence_parallel=true")
+
+    @property
+    def prompts_per_step(self) -> int:
+        """train.global_batch_size / rollout.samples_per_prompt: prompts per optimizer step."""
+        return self.train.global_batch_size // self.rollout.samples_per_prompt
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """checkpoint.dir, or <output_dir>/checkpoints."""
+        return self.checkpoint.dir or str(Path(self.output_dir) / "checkpoints")
+
+    @property
+    def tensorboard_dir(self) -> str:
+        """logging.tensorboard_dir, or <output_dir>/tensorboard."""
+        return self.logging.tensorboard_dir or str(Path(self.output_dir) / "tensorboard")
+
+
+# --------------------------------------------------------------------------------------------
+# YAML: loading, overrides, saving
+# --------------------------------------------------------------------------------------------
+
+# PyYAML implements YAML 1.1, where `5e-7` (no dot) is a string; the YAML 1.2 float syntax below
+# makes `train.lr=5e-7` a float, and the dumper uses the same rule so strings that look like
+# floats are quoted on save and round-trip as strings.
+_FLOAT = re.compile(r"""^(?:
+     [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _section_class(cls: type, name: str) -> type | None:
+    hint = _type_hints(cls)[name]
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def _unknown_key(cls: type, prefix: str, key: Any) -> ConfigError:
+    names = _field_names(cls)
+    where = f"in '{prefix}'" if prefix else "at the top level"
+    close = difflib.get_close_matches(str(key), names, n=1)
+    hint = f"did you mean '{_join(prefix, close[0])}'? " if close else ""
+    return ConfigError(f"{_join(prefix, str(key))}: unknown field; {hint}"
+                       f"valid names {where}: {', '.join(names)}")
+
+
+def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """Build `cls` from a nested dict, rejecting unknown keys with the closest valid name."""
+    names = set(_field_names(cls))
+    for key in data:
+        if key not in names:
+            raise _unknown_key(cls, prefix, key)
+    kwargs = {}
+    for name, value in data.items():
+        sub = _section_class(cls, name)
+        if sub is not None:
+            path = _join(prefix, name)
+            value = {} if value is None else value  # `train:` with every field commented out
+            _require(isinstance(value, dict),
+                     f"{path}: expected a mapping of {path}.* fields, got "
+                     f"{type(value).__name__} {value!r}")
+            value = _from_dict(sub, value, path)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _parse_override(raw: dict[str, Any], text: str) -> None:
+    """Apply one `section.field=value` override to the raw nested dict; the value is YAML."""
+    key, sep, value_text = text.partition("=")
+    key = key.strip()
+    _require(bool(sep) and bool(key),
+             f"override {text!r}: expected FIELD=VALUE or SECTION.FIELD=VALUE, e.g. "
+             "train.lr=5e-7 or model.fp8=null")
+    try:
+        value = yaml.load(value_text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({err})") from err
+    cls, node, prefix = RunConfig, raw, ""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if part not in _field_names(cls):
+            raise _unknown_key(cls, prefix, part)
+        path = _join(prefix, part)
+        sub = _section_class(cls, part)
+        last = i == len(parts) - 1
+        if last:
+            if sub is not None:
+                raise ConfigError(f"override {text!r}: {path} is a section; override its fields "
+                                  f"one by one, e.g. {path}.{_field_names(sub)[0]}=VALUE")
+            node[part] = value
+        else:
+            _require(sub is not None, f"override {text!r}: {path} is a field, not a section; "
+                     f"write {path}=VALUE")
+            if node.get(part) is None:
+                node[part] = {}
+            child = node[part]
+            _require(isinstance(child, dict), f"{path}: expected a mapping of {path}.* fields, "
+                     f"got {type(child).__name__} {child!r}")
+            cls, node, prefix = sub, child, path
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError as err:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from err
+    try:
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    _require(isinstance(data, dict), f"config file {str(path)!r}: expected a mapping of "
+             f"sections at the top level, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The run configuration from a YAML file (None = all defaults) and dotted overrides such as
+    `train.lr=5e-7` or `model.fp8=null`, applied in order (values are parsed as YAML)."""
+    _require(not isinstance(overrides, str),
+             f"overrides must be a list of 'section.field=value' strings, got the string "
+             f"{overrides!r}")
+    raw = _read_yaml(path) if path is not None else {}
+    for text in overrides:
+        _parse_override(raw, text)
+    return _from_dict(RunConfig, raw, "")
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain dict of a config (or of one section): YAML-, JSON- and pickle-safe."""
+    return dataclasses.asdict(cfg)
+
+
+def _yaml_scalar(value: Any) -> str:
+    line = yaml.dump({"x": value}, Dumper=_Dumper, width=sys.maxsize, allow_unicode=True)
+    return line[len("x: "):].rstrip("\n")
+
+
+def config_to_yaml(cfg: RunConfig, *, comments: bool = True) -> str:
+    """The whole config as YAML, every field spelled out; with `comments`, each field is preceded
+    by its meaning and allowed values. `load_config` of the text gives back an equal config."""
+    lines = []
+    if comments:
+        lines += ["# megatron_rl run configuration (megatron_rl/config.py): every field with its",
+                  "# meaning and allowed values; reference: docs/config.md.",
+                  "# `python -m megatron_rl.config [RECIPE] [OVERRIDES...]` prints this for any",
+                  "# recipe; with no arguments it prints the ScaleRL defaults",
+                  "# (examples/configs/scalerl_default.yaml).", ""]
+
+    def emit(obj: Any, indent: str) -> None:
+        hints = _type_hints(type(obj))
+        for f in fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                if comments:
+                    lines.append(f"{indent}# {_first_sentence(type(value))}")
+                lines.append(f"{indent}{f.name}:")
+                emit(value, indent + "  ")
+                lines.append("")
+                continue
+            if comments:
+                text = f"{f.metadata['help']} [{_describe(hints[f.name])}{_bounds_text(f)}]"
+                lines.extend(textwrap.wrap(text, width=98, initial_indent=f"{indent}# ",
+                                           subsequent_indent=f"{indent}#   "))
+            lines.append(f"{indent}{f.name}: {_yaml_scalar(value)}")
+
+    emit(cfg, "")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write `cfg` as commented YAML; `load_config(path)` returns an equal config."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(config_to_yaml(cfg))
+
+
+# --------------------------------------------------------------------------------------------
+# Reference documentation
+# --------------------------------------------------------------------------------------------
+
+def _first_sentence(cls: type) -> str:
+    return re.split(r"\.\s", inspect.getdoc(cls).replace("\n", " "), maxsplit=1)[0] + "."
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _bounds_text(f: dataclasses.Field) -> str:
+    return "".join(f", {_BOUNDS[k][1]} {v}" for k, v in f.metadata["bounds"].items())
+
+
+def _markdown_section(cls: type, title: str) -> list[str]:
+    lines = [f"## {title}", "", inspect.getdoc(cls).replace("\n", " "), "",
+             "| field | default | allowed | meaning |", "|---|---|---|---|"]
+    hints = _type_hints(cls)
+    for f in fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            default, allowed = f"see `{f.name}` below", f"`{hint.__name__}`"
+        else:
+            default = f"`{_yaml_scalar(f.default)}`"
+            allowed = (_describe(hint) + _bounds_text(f)).replace("'", "`")
+        cells = (f"`{f.name}`", default, allowed, f.metadata["help"])
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    derived = [(n, p) for n, p in vars(cls).items() if isinstance(p, property)]
+    if derived:
+        lines += ["", "Derived, read-only:", ""]
+        lines += [f"- `{name}`: {inspect.getdoc(prop)}" for name, prop in derived]
+    return lines + [""]
+
+
+def config_reference_markdown() -> str:
+    """docs/config.md: every section and field with its default, allowed values and meaning."""
+    lines = ["# Run configuration reference", "",
+             "Generated from the dataclasses in `megatron_rl/config.py` by "
+             "`config_reference_markdown()`; do not edit by hand. Regenerate with "
+             "`.venv/bin/python -m megatron_rl.config --markdown > docs/config.md` (a unit test "
+             "checks that this file is current).", "",
+             "A run is loaded with `load_config(path, overrides)`: a YAML file (see "
+             "`examples/configs/`) and dotted overrides such as `train.lr=5e-7` or "
+             "`model.fp8=null`, whose values are read as YAML. Unknown names, wrong types "
+             "(integers are accepted for numbers, but `true` is not an integer and `\"5\"` is "
+             "not a number) and inconsistent values are errors naming the field.", ""]
+    lines += _markdown_section(RunConfig, "Top level (`RunConfig`)")
+    hints = _type_hints(RunConfig)
+    for f in fields(RunConfig):
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines += _markdown_section(hints[f.name], f"`{f.name}` (`{hints[f.name].__name__}`)")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_rl.config",
+        description="Print a resolved run configuration as YAML, or the reference docs.")
+    parser.add_argument("config", nargs="?", help="YAML recipe (default: all defaults)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=5e-7")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print docs/config.md (the field reference) instead")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(config_reference_markdown())
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(config_to_yaml(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The run configuration: ScaleRL defaults (literal values from SCALERL.md), YAML + dotted
+overrides, errors that name the field, exact save/load round trips, and the generated docs and
+default recipe being current."""
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+
+from megatron_rl import config as config_module
+from megatron_rl.config import (
+    AlgorithmConfig,
+    ConfigError,
+    ParallelismConfig,
+    RunConfig,
+    config_reference_markdown,
+    config_to_dict,
+    config_to_yaml,
+    load_config,
+    save_config,
+)
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_the_scalerl_recipe():
+    cfg = RunConfig()
+    # Section 2: 48 prompts x 16 generations; 2,048 prompt + 12,288 thinking + 2,048 solution.
+    assert cfg.rollout.samples_per_prompt == 16
+    assert cfg.train.global_batch_size == 768
+    assert cfg.prompts_per_step == 48
+    assert (cfg.rollout.max_prompt_tokens, cfg.rollout.thinking_budget,
+            cfg.rollout.solution_budget) == (2048, 12288, 2048)
+    assert cfg.rollout.max_sequence_tokens == 16384
+    # Section 3: CISPO with eps_max 5, prompt-level aggregation; DAPO clip 0.2 / 0.28.
+    assert cfg.algorithm.loss == "cispo"
+    assert cfg.algorithm.eps_max == 5.0
+    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (0.2, 0.28)
+    assert (cfg.algorithm.gspo_eps_low, cfg.algorithm.gspo_eps_high) == (3e-4, 4e-4)
+    assert cfg.algorithm.aggregation == "prompt"
+    # Section 4: batch-level normalisation, zero-variance filtering, NPR at 0.9.
+    assert cfg.algorithm.advantage_normalization == "batch"
+    assert cfg.algorithm.zero_variance_filter is True
+    assert cfg.algorithm.no_positive_resampling is True
+    assert cfg.algorithm.npr_threshold == 0.9
+    # Section 5: forced interruption in [10k, 12k] with the exact phrase; penalty 14k / 2k (off).
+    assert cfg.rollout.forced_interruption is True
+    assert (cfg.rollout.thinking_budget_min, cfg.rollout.thinking_budget) == (10240, 12288)
+    assert cfg.rollout.interruption_phrase == (
+        "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>")
+    assert cfg.algorithm.length_penalty is False
+    assert cfg.algorithm.length_penalty_max_length == 14336
+    assert cfg.algorithm.length_penalty_cache_length == 2048
+    # Section 6: FP32 LM head on trainer and generator.
+    assert cfg.model.fp32_lm_head is True and cfg.rollout.enable_fp32_lm_head is True
+    # Section 7: Pipeline-RL with k = 8.
+    assert cfg.rollout.mode == "pipeline" and cfg.rollout.max_off_policyness == 8
+    # Section 8 (A.3): AdamW, constant lr 5e-7 after 100 warm-up steps, eps 1e-15, wd 0.01;
+    # clipping and temperature unstated -> 1.0.
+    assert cfg.optimizer.name == "adamw"
+    assert (cfg.optimizer.adam_beta1, cfg.optimizer.adam_beta2) == (0.9, 0.999)
+    assert cfg.optimizer.adam_eps == 1e-15
+    assert cfg.optimizer.weight_decay == 0.01
+    assert cfg.train.lr == 5e-7 and cfg.train.lr_warmup_steps == 100
+    assert cfg.train.lr_schedule == "constant"
+    assert cfg.train.clip_grad == 1.0
+    assert cfg.rollout.temperature == 1.0 and cfg.rollout.top_p == 1.0
+    # Section 1: 1,000 held-out prompts, mean@16 every 100 steps, R0 at step 0, 1.5k GPU-h warm-up.
+    assert cfg.eval.num_heldout_prompts == 1000
+    assert cfg.eval.samples_per_prompt == 16
+    assert cfg.eval.interval_steps == 100
+    assert cfg.eval.at_step_zero is True
+    assert cfg.eval.warmup_compute_gpu_hours == 1500.0
+    # Project defaults (not from the paper).
+    assert (cfg.model.name, cfg.model.size, cfg.model.fp8) == ("llama4", "tiny", None)
+    assert cfg.model.use_transformer_engine is False
+    assert cfg.parallelism.world_size == 1 and cfg.parallelism.data_parallel_size == 1
+    assert cfg.parallelism.expert_tensor_parallel_size == 1
+    assert cfg.checkpoint.format == "torch_dist"
+
+
+def test_yaml_then_overrides_in_order(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "name: exp1\n"
+        "train:\n  lr: 1.0e-6\n  num_steps: 10\n"
+        "parallelism:\n  world_size: 8\n  tensor_model_parallel_size: 2\n"
+        "  sequence_parallel: true\n  expert_model_parallel_size: 4\n")
+    cfg = load_config(path, ["train.lr=5e-7", "model.fp8=null", "algorithm.eps_max=8",
+                             "algorithm.loss=gspo", "train.num_steps=20", "train.num_steps=30",
+                             "seed=7", "checkpoint.load=/ckpt/run 1"])
+    assert cfg.name == "exp1"
+    assert cfg.train.lr == 5e-7 and type(cfg.train.lr) is float  # YAML 1.1 would read a string
+    assert cfg.model.fp8 is None
+    assert cfg.algorithm.eps_max == 8.0 and type(cfg.algorithm.eps_max) is float  # int accepted
+    assert cfg.algorithm.loss == "gspo"
+    assert cfg.train.num_steps == 30  # later overrides win
+    assert cfg.seed == 7
+    assert cfg.checkpoint.load == "/ckpt/run 1"
+    # untouched values keep the file's or the default's
+    assert cfg.parallelism.expert_model_parallel_size == 4
+    assert cfg.rollout.samples_per_prompt == 16
+    # derived: 8 ranks / TP 2 = DP 4; experts: 8 / EP 4 = 2 replicas
+    assert cfg.parallelism.data_parallel_size == 4
+    assert cfg.parallelism.expert_data_parallel_size == 2
+    # an empty section (every field commented out) is the section's defaults
+    path.write_text("train:\neval:\n  interval_steps: 5\n")
+    cfg = load_config(path, ["train.lr=1e-6"])
+    assert cfg.train == dataclasses.replace(RunConfig().train, lr=1e-6)
+    assert cfg.eval.interval_steps == 5
+    # no file: defaults plus overrides
+    assert load_config(None, ["train.lr=2e-6"]).train.lr == 2e-6
+    assert load_config() == RunConfig()
+
+
+def test_derived_parallel_sizes_and_paths():
+    par = ParallelismConfig(world_size=16, tensor_model_parallel_size=2,
+                            pipeline_model_parallel_size=2, context_parallel_size=2,
+                            sequence_parallel=True, expert_model_parallel_size=4,
+                            expert_tensor_parallel_size=2)
+    assert par.data_parallel_size == 2          # 16 / (2 * 2 * 2)
+    assert par.expert_data_parallel_size == 1   # 16 / (4 * 2 * 2)
+    cfg = load_config(None, ["output_dir=/runs/a", "logging.tensorboard_dir=/tb/a"])
+    assert cfg.checkpoint_dir == "/runs/a/checkpoints"
+    assert cfg.tensorboard_dir == "/tb/a"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # unknown names, top and nested level, with the closest valid name suggested
+    (["modle.name=llama4"], ["modle", "did you mean 'model'", "parallelism, rollout"]),
+    (["algorithm.eps_mx=4"], ["algorithm.eps_mx", "did you mean 'algorithm.eps_max'", "eps_low"]),
+    (["train.lr.peak=1"], ["train.lr is a field, not a section"]),
+    (["model=llama4"], ["model is a section"]),
+    (["train.lr"], ["expected FIELD=VALUE"]),
+    # wrong types
+    (["train.lr=fast"], ["train.lr", "expected a number", "str 'fast'"]),
+    (["train.num_steps=true"], ["train.num_steps", "expected an integer", "bool True"]),
+    (["train.num_steps=1.5"], ["train.num_steps", "expected an integer", "float 1.5"]),
+    (["name=123"], ["name: expected a string", "quote it"]),
+    (["rollout.mem_fraction_static='0.8'"], ["rollout.mem_fraction_static",
+                                             "a number or null", "unquoted"]),
+    # bad enum values, with the allowed ones
+    (["algorithm.loss=cipso"], ["algorithm.loss", "'cispo', 'dapo', 'grpo', 'gspo'",
+                                "did you mean 'cispo'"]),
+    (["algorithm.aggregation=batch"], ["algorithm.aggregation", "'prompt', 'sample', 'token'"]),
+    (["model.fp8=e4m3"], ["model.fp8", "'delayed', 'current' or null"]),
+    (["rollout.attention_backend=torch_natve"], ["rollout.attention_backend",
+                                                 "did you mean 'torch_native'"]),
+    # out-of-range and inconsistent values
+    (["algorithm.eps_max=0"], ["algorithm.eps_max", "must be > 0.0", "got 0.0"]),
+    (["algorithm.eps_max=-5"], ["algorithm.eps_max", "must be > 0.0"]),
+    (["rollout.top_p=1.5"], ["rollout.top_p", "must be <= 1.0"]),
+    (["train.lr=.inf"], ["train.lr", "finite"]),
+    (["parallelism.world_size=3", "parallelism.tensor_model_parallel_size=2",
+      "parallelism.sequence_parallel=true"], ["parallelism.world_size", "= 2 must divide",
+                                              "(3)"]),
+    (["parallelism.world_size=4", "parallelism.pipeline_model_parallel_size=2",
+      "parallelism.expert_model_parallel_size=4"], ["parallelism.expert_model_parallel_size",
+                                                    "= 8 must divide world_size (4)"]),
+    (["parallelism.world_size=2", "parallelism.tensor_model_parallel_size=2"],
+     ["parallelism.sequence_parallel", "MoE", "sequence_parallel=true"]),
+    (["parallelism.sequence_parallel=true"], ["parallelism.sequence_parallel",
+                                              "tensor_model_parallel_size > 1"]),
+    (["train.global_batch_size=770"], ["train.global_batch_size", "rollout.samples_per_prompt (16)",
+                                       "use 768 or 784"]),
+    (["train.micro_batch_max_tokens=4096"], ["train.micro_batch_max_tokens", "16384"]),
+    (["model.fp8=delayed"], ["model.fp8", "model.use_transformer_engine=true"]),
+    (["rollout.thinking_budget_min=13000"], ["rollout.thinking_budget_min",
+                                             "rollout.thinking_budget (12288)"]),
+    (["rollout.tp_size=4", "rollout.ep_size=3"], ["rollout.ep_size", "rollout.tp_size (4)"]),
+    (["algorithm.length_penalty_cache_length=20000"], ["algorithm.length_penalty_cache_length"]),
+    (["rollout.mode=ppo_off_policy", "rollout.max_off_policyness=0"],
+     ["rollout.max_off_policyness"]),
+    (["model.name=gpt5"], ["model.name", "llama4", "qwen3_moe"]),
+    (["model.size=huge"], ["model.size", "'huge'", "tiny"]),
+])
+def test_errors_name_the_field_and_the_fix(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for text in expected:
+        assert text in str(info.value), (text, str(info.value))
+
+
+def test_yaml_file_errors(tmp_path):
+    def error_of(text: str) -> str:
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        return str(info.value)
+
+    assert "unknown field; did you mean 'algorithm'" in error_of("algorithms:\n  loss: cispo\n")
+    message = error_of("rollout:\n  temprature: 0.7\n")
+    assert "rollout.temprature" in message and "did you mean 'rollout.temperature'" in message
+    assert "train: expected a mapping" in error_of("train: 5\n")
+    assert "not valid YAML" in error_of("train: [\n")
+    assert "expected a mapping of sections" in error_of("- a\n- b\n")
+    assert "algorithm.eps_max: must be > 0.0" in error_of("algorithm:\n  eps_max: 0\n")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="list of 'section.field=value' strings"):
+        load_config(None, "train.lr=1e-6")
+
+
+def test_python_construction_is_validated_and_frozen():
+    with pytest.raises(ConfigError, match=r"^algorithm\.eps_max: must be > 0\.0"):
+        AlgorithmConfig(eps_max=0.0)
+    with pytest.raises(ConfigError, match=r"^algorithm\.eps_low: expected a number"):
+        AlgorithmConfig(eps_low="0.2")
+    with pytest.raises(ConfigError, match=r"^parallelism\.world_size"):
+        RunConfig(parallelism=ParallelismConfig(world_size=6, pipeline_model_parallel_size=4))
+    cfg = RunConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.lr = 1.0
+    # derive, never mutate: replace() re-validates
+    changed = dataclasses.replace(cfg, algorithm=dataclasses.replace(cfg.algorithm, eps_max=8))
+    assert changed.algorithm.eps_max == 8.0 and cfg.algorithm.eps_max == 5.0
+    with pytest.raises(ConfigError, match="algorithm.eps_max"):
+        dataclasses.replace(cfg.algorithm, eps_max=-1.0)
+
+
+def test_model_name_falls_back_to_the_fixed_list_without_the_registry(monkeypatch):
+    monkeypatch.setattr(config_module, "_model_registry", lambda: None)
+    with pytest.raises(ConfigError,
+                       match=r"model\.name: .*llama4, qwen3_moe; did you mean 'llama4'"):
+        load_config(None, ["model.name=llama3"])
+    assert load_config(None, ["model.name=qwen3_moe"]).model.name == "qwen3_moe"
+
+
+def test_save_load_round_trip(tmp_path):
+    cfg = load_config(None, [
+        "name='1e5'",            # a string that YAML 1.2 would read as a float: must stay a string
+        "output_dir='/tmp/run: 1'", "seed=0", "model.name=qwen3_moe", "model.size=30b_a3b",
+        "model.hf_checkpoint=/ckpts/Qwen3-30B-A3B", "model.use_transformer_engine=true",
+        "model.fp8=current", "parallelism.world_size=16",
+        "parallelism.tensor_model_parallel_size=2",
+        "parallelism.sequence_parallel=true", "parallelism.expert_model_parallel_size=8",
+        "rollout.temperature=0.7", "rollout.mem_fraction_static=0.85", "rollout.tp_size=8",
+        "rollout.ep_size=8", "rollout.interruption_phrase='Time: up! \"now\" </think>'",
+        "algorithm.loss=dapo", "algorithm.eps_high=0.26", "train.lr=3e-7", "train.clip_grad=0",
+        "optimizer.adam_eps=1e-8", "eval.warmup_compute_gpu_hours=1234.5",
+        "checkpoint.load=null", "logging.log_interval=10",
+    ])
+    path = tmp_path / "sub" / "config.yaml"
+    save_config(cfg, path)
+    loaded = load_config(path)
+    assert loaded == cfg
+    assert config_to_dict(loaded) == config_to_dict(cfg)
+    assert loaded.name == "1e5" and loaded.train.clip_grad == 0.0
+    assert load_config(None, []) != cfg
+    # without comments too, and across processes (pickle: Ray / multiprocessing)
+    path.write_text(config_to_yaml(cfg, comments=False))
+    assert load_config(path) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+def test_config_to_dict_is_plain_nested():
+    data = config_to_dict(RunConfig())
+    assert data["algorithm"]["eps_max"] == 5.0
+    assert data["rollout"]["samples_per_prompt"] == 16
+    assert set(data) == {"name", "output_dir", "seed", "model", "parallelism", "rollout",
+                         "algorithm", "train", "optimizer", "eval", "checkpoint", "logging"}
+
+
+def test_docs_and_default_recipe_are_generated_from_the_code():
+    docs = (ROOT / "docs/config.md").read_text()
+    assert docs == config_reference_markdown(), (
+        "docs/config.md is stale: run `.venv/bin/python -m megatron_rl.config --markdown > "
+        "docs/config.md`")
+    recipe = ROOT / "examples/configs/scalerl_default.yaml"
+    assert recipe.read_text() == config_to_yaml(RunConfig()), (
+        "examples/configs/scalerl_default.yaml is stale: run `.venv/bin/python -m "
+        "megatron_rl.config > examples/configs/scalerl_default.yaml`")
+    # independently of the generators: the recipe loads to the defaults, every field has a
+    # commented line, and the docs mention every field of every section with its default
+    assert load_config(recipe) == RunConfig()
+    lines = recipe.read_text().splitlines()
+    for section, values in config_to_dict(RunConfig()).items():
+        if not isinstance(values, dict):
+            continue
+        assert f"## `{section}`" in docs
+        for name in values:
+            assert f"| `{name}` |" in docs, (section, name)
+            index = lines.index(next(l for l in lines if l.strip().startswith(f"{name}:")))
+            assert lines[index - 1].strip().startswith("#"), name
+    assert "| `eps_max` | `5.0` |" in docs and "| `adam_eps` | `1.0e-15` |" in docs
+
+
+def test_tiny_cpu_recipe():
+    cfg = load_config(ROOT / "examples/configs/tiny_cpu.yaml")
+    assert 1 <= cfg.parallelism.world_size <= 4
+    assert (cfg.model.name, cfg.model.size) == ("llama4", "tiny")
+    assert cfg.train.global_batch_size <= 64 and cfg.rollout.samples_per_prompt <= 8
+    assert cfg.rollout.max_sequence_tokens <= 256  # the tiny model's positions
+    assert cfg.rollout.attention_backend == "torch_native"
+    # what it does not set stays the ScaleRL default
+    assert cfg.algorithm == RunConfig().algorithm
+    assert cfg.optimizer == RunConfig().optimizer
+
+
+def test_command_line_prints_the_resolved_config(capsys, tmp_path):
+    recipe = str(ROOT / "examples/configs/tiny_cpu.yaml")
+    assert config_module.main([recipe, "train.lr=2e-5"]) == 0
+    out = capsys.readouterr().out
+    path = tmp_path / "printed.yaml"
+    path.write_text(out)
+    assert load_config(path).train.lr == 2e-5
+    assert config_module.main(["--markdown"]) == 0
+    assert capsys.readouterr().out == config_reference_markdown()
+    assert config_module.main([recipe, "train.lr=x"]) == 2
+    assert "train.lr" in capsys.readouterr().err
