@@ -1,0 +1,52 @@
+"""The ScaleRL algorithm core as pure tensor functions: advantages, zero-variance filtering,
+policy losses (CISPO, DAPO/GRPO, GSPO), loss aggregation with global denominators, the
+No-Positive-Resampling prompt sampler and length control. No Megatron, no processes: everything
+here is unit-tested with hand-computed values on CPU.
+"""
+from megatron_rl.algorithms.advantages import NORMALIZATIONS, compute_advantages
+from megatron_rl.algorithms.aggregation import (
+    MODES,
+    AggregationDenominators,
+    aggregate_loss,
+    token_weights,
+)
+from megatron_rl.algorithms.filtering import group_pass_rates, zero_variance_mask
+from megatron_rl.algorithms.length_control import (
+    INTERRUPTION_PHRASE,
+    build_interrupted_completion,
+    length_penalty,
+    sample_thinking_budget,
+)
+from megatron_rl.algorithms.losses import (
+    DEFAULT_CLIP_RANGE,
+    KINDS,
+    LossOutput,
+    cispo_loss,
+    clipped_surrogate_loss,
+    compute_policy_loss,
+    gspo_loss,
+)
+from megatron_rl.algorithms.sampler import NoPositiveResamplingSampler
+
+__all__ = [
+    "DEFAULT_CLIP_RANGE",
+    "INTERRUPTION_PHRASE",
+    "KINDS",
+    "MODES",
+    "NORMALIZATIONS",
+    "AggregationDenominators",
+    "LossOutput",
+    "NoPositiveResamplingSampler",
+    "aggregate_loss",
+    "build_interrupted_completion",
+    "cispo_loss",
+    "clipped_surrogate_loss",
+    "compute_advantages",
+    "compute_policy_loss",
+    "group_pass_rates",
+    "gspo_loss",
+    "length_penalty",
+    "sample_thinking_budget",
+    "token_weights",
+    "zero_variance_mask",
+]
