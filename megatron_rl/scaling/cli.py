@@ -1,0 +1,194 @@
+"""`megatron-rl fit RUN_DIR... | CSV...`: fit scaling curves to validation logs, print, plot.
+
+Reads each path with `read_scaling_log` (one curve per task), fits the sigmoid of SCALERL.md
+section 1 to every curve and prints one table row per run and task (R0, A, B, C_mid with bootstrap
+intervals, points used). Optional: the extrapolation protocol (`--fit-fraction` / `--fit-budget`),
+the power law on the same points (`--power-law`), and the 0.02-rule comparison of every curve
+against the first (`--compare`). Writes curves.png and efficiency.png (and extrapolation.png) to
+`--out-dir`. Bad logs exit with status 2 and one line naming the problem.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from megatron_rl.scaling.log import read_scaling_log
+from megatron_rl.scaling.powerlaw import PowerLawFit, fit_power_law
+from megatron_rl.scaling.report import (EQUAL_A_TOLERANCE, ExtrapolationReport, RecipeComparison,
+                                        compare_recipes, extrapolation_report, fit_series)
+from megatron_rl.scaling.series import ScalingSeries
+from megatron_rl.scaling.sigmoid import SigmoidFit, SigmoidFitConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl fit", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("paths", nargs="+", metavar="RUN_DIR|LOG",
+                        help="run directories (scaling.jsonl or TensorBoard events), .jsonl or "
+                             ".csv files (columns compute_gpu_hours,pass_rate[,task][,step])")
+    parser.add_argument("--r0", type=float, default=None,
+                        help="pass rate at C=0 for every curve; default: the step-0 point")
+    parser.add_argument("--warmup-gpu-hours", type=float, default=0.0,
+                        help="exclude points below this compute (paper: ~1500)")
+    parser.add_argument("--a-min", type=float, default=None,
+                        help="lowest A on the grid; default: just above R0")
+    parser.add_argument("--a-max", type=float, default=1.0, help="highest A on the grid")
+    parser.add_argument("--a-step", type=float, default=0.005, help="A grid step")
+    parser.add_argument("--num-bootstrap", type=int, default=200,
+                        help="bootstrap replicates for the intervals (0: none)")
+    parser.add_argument("--confidence", type=float, default=0.95, help="interval level")
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    window = parser.add_mutually_exclusive_group()
+    window.add_argument("--fit-fraction", type=float, default=None,
+                        help="extrapolation report: fit on this fraction of each run's compute "
+                             "(paper: 0.5) and predict the rest")
+    window.add_argument("--fit-budget", type=float, default=None,
+                        help="extrapolation report: fit on points up to this many GPU-hours")
+    parser.add_argument("--power-law", action="store_true",
+                        help="also fit R = A - D/C^B on the same points, for comparison")
+    parser.add_argument("--compare", action="store_true",
+                        help=f"compare every curve with the first (A within "
+                             f"{EQUAL_A_TOLERANCE}: refit with mean A, compare B)")
+    parser.add_argument("--out-dir", type=Path, default=Path("scaling_fit"),
+                        help="where the PNG plots are written")
+    parser.add_argument("--no-plots", action="store_true", help="do not write plots")
+    parser.add_argument("--extend-to", type=float, default=None,
+                        help="draw the extrapolated (dashed) curve up to this many GPU-hours "
+                             "(default: twice each run's compute)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"megatron-rl fit: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    config = SigmoidFitConfig(
+        a_min=args.a_min, a_max=args.a_max, a_step=args.a_step,
+        warmup_compute=args.warmup_gpu_hours, num_bootstrap=args.num_bootstrap,
+        confidence=args.confidence, seed=args.seed)
+    series = [s for path in args.paths for s in read_scaling_log(path).values()]
+    console = _console()
+    start = time.perf_counter()
+    fits = [fit_series(s, r0=args.r0, config=config) for s in series]
+    power_laws = [fit_power_law(s.compute_gpu_hours, s.pass_rate,
+                                warmup_compute=config.warmup_compute) if args.power_law else None
+                  for s in series]
+    console.print(_fit_table(series, fits, power_laws, config))
+    reports: list[ExtrapolationReport] = []
+    if args.fit_fraction is not None or args.fit_budget is not None:
+        reports = [extrapolation_report(s, r0=args.r0, fit_budget=args.fit_budget,
+                                        fit_fraction=args.fit_fraction or 0.5, config=config)
+                   for s in series]
+        console.print(_extrapolation_table(reports))
+    if args.compare:
+        if len(series) < 2:
+            raise ValueError("--compare needs at least two curves")
+        comparisons = [compare_recipes(series[0], other, r0_a=args.r0, r0_b=args.r0,
+                                       config=config, fits=(fits[0], fit))
+                       for other, fit in zip(series[1:], fits[1:])]
+        console.print(_comparison_table(comparisons))
+    console.print(f"fitted {len(series)} curve(s) in {time.perf_counter() - start:.2f} s")
+    if not args.no_plots:
+        for path in _write_plots(args, series, fits, power_laws, reports, config):
+            console.print(f"wrote {path}")
+    return 0
+
+
+def _console() -> Console:
+    # Piped output (CI logs, tests) must not wrap table rows at rich's default 80 columns.
+    probe = Console()
+    return probe if probe.is_terminal else Console(width=200)
+
+
+def _with_ci(value: float, ci: tuple[float, float] | None, fmt: str) -> str:
+    text = _format(value, fmt)
+    return text if ci is None else f"{text} [{_format(ci[0], fmt)}, {_format(ci[1], fmt)}]"
+
+
+def _format(value: float, fmt: str) -> str:
+    if fmt == "gpu_hours":  # 12.5, 850, 16,000: no exponent notation for compute
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return format(value, fmt)
+
+
+def _fit_table(series: list[ScalingSeries], fits: list[SigmoidFit],
+               power_laws: list[PowerLawFit | None], config: SigmoidFitConfig) -> Table:
+    level = f"{round(100 * config.confidence)}% CI" if config.num_bootstrap else "no CI"
+    table = Table(title=f"Sigmoid fits, R0 fixed ({level})")
+    for column in ("run", "task", "R0", "A", "B", "C_mid (GPU-h)", "points", "warm-up excl.",
+                   "RMSE"):
+        table.add_column(column, no_wrap=True)
+    if any(power_laws):
+        table.add_column("power-law A", no_wrap=True)
+    for s, fit, power_law in zip(series, fits, power_laws):
+        row = [s.run, s.task, f"{fit.r0:.3f}", _with_ci(fit.a, fit.a_ci, ".3f"),
+               _with_ci(fit.b, fit.b_ci, ".3f"), _with_ci(fit.c_mid, fit.c_mid_ci, "gpu_hours"),
+               str(fit.num_points), str(fit.num_warmup_excluded), f"{fit.rmse:.4f}"]
+        if any(power_laws):
+            row.append(f"{power_law.a:.3f}" if power_law else "-")
+        table.add_row(*row)
+    return table
+
+
+def _extrapolation_table(reports: list[ExtrapolationReport]) -> Table:
+    table = Table(title="Extrapolation: fit up to the budget, predict the end of the run")
+    for column in ("curve", "fit budget (GPU-h)", "points fitted", "A (window)",
+                   "power-law A (window)", "end (GPU-h)", "observed", "predicted",
+                   "error", "power-law predicted", "held-out RMSE"):
+        table.add_column(column, no_wrap=True)
+    for r in reports:
+        power_law_a = f"{r.power_law.a:.3f}" if r.power_law else "-"
+        power_law_end = (f"{r.held_out_power_law[-1]:.3f}" if r.held_out_power_law is not None
+                         else "-")
+        table.add_row(r.label, _format(r.fit_budget, "gpu_hours"), str(r.sigmoid.num_points),
+                      f"{r.sigmoid.a:.3f}", power_law_a, _format(r.final_compute, "gpu_hours"),
+                      f"{r.final_observed:.3f}", f"{r.final_predicted:.3f}",
+                      f"{r.final_error:+.3f}", power_law_end, f"{r.held_out_rmse:.4f}")
+    return table
+
+
+def _comparison_table(comparisons: list[RecipeComparison]) -> Table:
+    table = Table(title=f"Recipe comparison (A within {EQUAL_A_TOLERANCE} -> same A, compare B)")
+    for column in ("curve a", "curve b", "A a", "A b", "A equal", "B a (A fixed)",
+                   "B b (A fixed)", "better", "verdict"):
+        table.add_column(column, no_wrap=column != "verdict")
+    for c in comparisons:
+        b_a = _with_ci(c.refit_a.b, c.refit_a.b_ci, ".3f") if c.refit_a else "-"
+        b_b = _with_ci(c.refit_b.b, c.refit_b.b_ci, ".3f") if c.refit_b else "-"
+        table.add_row(c.label_a, c.label_b, f"{c.fit_a.a:.3f}", f"{c.fit_b.a:.3f}",
+                      "yes" if c.a_equal else "no", b_a, b_b, c.better or "tie", c.verdict)
+    return table
+
+
+def _write_plots(args: argparse.Namespace, series: list[ScalingSeries], fits: list[SigmoidFit],
+                 power_laws: list[PowerLawFit | None], reports: list[ExtrapolationReport],
+                 config: SigmoidFitConfig) -> list[Path]:
+    # Imported here: matplotlib costs ~1 s to import and --no-plots should not pay for it.
+    from megatron_rl.scaling.plots import CurvePlot, plot_curves, plot_efficiency
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    entries = [CurvePlot(series=s, fit=f, power_law=p, warmup_compute=config.warmup_compute)
+               for s, f, p in zip(series, fits, power_laws)]
+    written = [args.out_dir / "curves.png", args.out_dir / "efficiency.png"]
+    plot_curves(entries, written[0], extend_to=args.extend_to)
+    plot_efficiency(entries, written[1])
+    if reports:
+        window_entries = [CurvePlot(series=s, fit=r.sigmoid, power_law=r.power_law,
+                                    warmup_compute=config.warmup_compute)
+                          for s, r in zip(series, reports)]
+        written.append(args.out_dir / "extrapolation.png")
+        plot_curves(window_entries, written[-1], extend_to=args.extend_to,
+                    title="Extrapolation: fitted on the budget (solid), predicted (dashed)")
+    return written

@@ -1,0 +1,116 @@
+"""`megatron-rl fit` end to end on temporary run directories: tables, plots, clear errors."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_rl.cli import main as megatron_rl_main
+from megatron_rl.scaling.cli import main as fit_main
+from megatron_rl.scaling.log import ScalingLog
+from megatron_rl.scaling.series import ScalingSeries
+from megatron_rl.scaling.sigmoid import SigmoidFitConfig, fit_sigmoid
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TASKS = {"math": (0.61, 1.5, 2000.0, 0.20), "code": (0.45, 1.1, 3000.0, 0.10)}
+
+
+def curve(c, a, b, c_mid, r0):
+    return r0 + (a - r0) / (1.0 + (c_mid / np.maximum(c, 1e-12)) ** b) if c > 0 else r0
+
+
+def make_run(run_dir, *, num_validations=41, gpu_hours_per_step=0.4):
+    log = ScalingLog(run_dir)
+    for step in range(0, 100 * num_validations, 100):
+        compute = step * gpu_hours_per_step
+        log.append(step, compute, {t: float(curve(compute, *p)) for t, p in TASKS.items()})
+    return run_dir
+
+
+def test_fit_prints_a_row_per_task_and_writes_plots(tmp_path, capsys):
+    run = make_run(tmp_path / "scalerl_run")
+    out = tmp_path / "plots"
+    code = megatron_rl_main(["fit", str(run), "--num-bootstrap", "20", "--fit-fraction", "0.5",
+                             "--power-law", "--out-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    rows = [line for line in printed.splitlines() if "scalerl_run" in line and "│" in line]
+    assert len(rows) == 4  # fit table + extrapolation table, one row per task each
+    math_row = next(r for r in rows if "│ math" in r)
+    assert "0.200" in math_row and "0.610 [" in math_row  # R0 and A with its interval
+    assert "Extrapolation" in printed and "power-law A" in printed
+    for name in ("curves.png", "efficiency.png", "extrapolation.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    assert f"wrote {out / 'curves.png'}" in printed
+
+
+def test_fit_compares_two_runs_with_the_0_02_rule(tmp_path, capsys):
+    csv_a, csv_b = tmp_path / "a.csv", tmp_path / "b.csv"
+    compute = np.linspace(0.0, 16000.0, 41)
+    for path, (a, b) in ((csv_a, (0.60, 1.0)), (csv_b, (0.61, 2.0))):
+        rates = [curve(c, a, b, 2000.0, 0.2) for c in compute]
+        path.write_text("compute_gpu_hours,pass_rate\n"
+                        + "".join(f"{c},{r}\n" for c, r in zip(compute, rates)))
+    code = fit_main([str(csv_a), str(csv_b), "--num-bootstrap", "0", "--compare", "--no-plots"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "Recipe comparison" in printed and "b:all is more compute-efficient" in printed
+    assert "wrote" not in printed
+
+
+@pytest.mark.parametrize("content, message", [
+    ("compute_gpu_hours,pass_rate\n0,0.2\n10,0.3\n20,0.35\n", "too few points to fit: 2"),
+    ("compute_gpu_hours,pass_rate\n0,0.2\n10,0.3\n5,0.35\n", "compute is not monotone"),
+    ("compute_gpu_hours,pass_rate\n0,0.2\n10,30\n20,40\n", r"pass rate 30.0 at point 1 is outside"),
+    ("compute_gpu_hours,pass_rate\n1,0.2\n10,0.3\n20,0.35\n", "no step-0 .* pass --r0"),
+])
+def test_fit_errors_exit_2_with_one_clear_line(tmp_path, capsys, content, message):
+    path = tmp_path / "bad.csv"
+    path.write_text(content)
+    assert fit_main([str(path), "--no-plots", "--num-bootstrap", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron-rl fit: error: bad:all: ") and len(err.splitlines()) == 1
+    assert re.search(message, err), err
+
+
+def test_fit_errors_for_missing_path_and_single_curve_compare(tmp_path, capsys):
+    assert fit_main([str(tmp_path / "nope"), "--no-plots"]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+    run = make_run(tmp_path / "one", num_validations=12)
+    # Two tasks in one log are two curves: --compare works within one run ...
+    assert fit_main([str(run / "scaling.jsonl"), "--compare", "--no-plots", "--num-bootstrap",
+                     "0"]) == 0
+    # ... but --compare on a single curve is an error.
+    single = tmp_path / "single.csv"
+    single.write_text("compute_gpu_hours,pass_rate\n"
+                      + "".join(f"{c},{curve(c, *TASKS['math'])}\n" for c in range(0, 4000, 400)))
+    assert fit_main([str(single), "--compare", "--no-plots", "--num-bootstrap", "0"]) == 2
+    assert "--compare needs at least two curves" in capsys.readouterr().err
+
+
+def test_efficiency_transform_is_c_to_the_b_on_the_model():
+    from megatron_rl.scaling.plots import efficiency_points
+
+    compute = np.geomspace(100.0, 16000.0, 30)
+    rates = np.array([curve(c, *TASKS["math"]) for c in compute])
+    series = ScalingSeries(run="r", task="math", compute_gpu_hours=compute, pass_rate=rates)
+    fit = fit_sigmoid(compute, rates, r0=0.2, config=SigmoidFitConfig(num_bootstrap=0))
+    c, f = efficiency_points(series, fit)
+    slope = np.polyfit(np.log(c), np.log(f), 1)[0]
+    assert slope == pytest.approx(fit.b, rel=1e-3)  # log F vs log C has slope B
+    np.testing.assert_allclose(f, c ** fit.b, rtol=0.02)
+
+
+def test_tool_script_is_a_thin_wrapper(tmp_path):
+    run = make_run(tmp_path / "toolrun", num_validations=15)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "fit_scaling_curve.py"), str(run), "--no-plots",
+         "--num-bootstrap", "0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "toolrun" in result.stdout and "Sigmoid fits" in result.stdout

@@ -1,0 +1,217 @@
+"""Sigmoid and power-law fits, extrapolation and the 0.02 comparison rule on synthetic curves.
+
+Synthetic curves come from the closed form R = R0 + (A - R0) / (1 + (C_mid / C)^B) evaluated
+directly here (not through the fitter's own curve function), so recovery checks the fitter
+against an independent reference. Tolerances: noise-free A +-0.005, B and C_mid +-5% (the issue's
+acceptance bounds); with Gaussian noise sd 0.005 (about a mean@16 pass rate on 1,000 prompts) A
++-0.02, B +-20%, C_mid +-20%.
+"""
+import numpy as np
+import pytest
+
+from megatron_rl.scaling.powerlaw import fit_power_law, power_law_curve
+from megatron_rl.scaling.report import compare_recipes, extrapolation_report
+from megatron_rl.scaling.series import ScalingSeries
+from megatron_rl.scaling.sigmoid import (SigmoidFitConfig, a_grid_for, fit_sigmoid,
+                                        sigmoid_curve)
+
+pytestmark = pytest.mark.unit
+
+NO_CI = SigmoidFitConfig(num_bootstrap=0)
+
+
+def reference_curve(c, a, b, c_mid, r0):
+    c = np.asarray(c, dtype=float)
+    return r0 + (a - r0) / (1.0 + (c_mid / c) ** b)
+
+
+def make_series(c, a, b, c_mid, r0, *, noise=0.0, seed=0, run="run", task="all"):
+    """A logged run: the step-0 point (C = 0, R = R0) followed by the curve at `c`."""
+    rng = np.random.default_rng(seed)
+    rate = reference_curve(c, a, b, c_mid, r0) + rng.normal(0.0, noise, size=len(c))
+    compute = np.concatenate([[0.0], c])
+    rate = np.clip(np.concatenate([[r0], rate]), 0.0, 1.0)
+    return ScalingSeries(run=run, task=task, compute_gpu_hours=compute, pass_rate=rate,
+                         step=np.arange(compute.size) * 100)
+
+
+def test_curve_values_by_hand():
+    # R(0) = R0; R(C_mid) = (A + R0) / 2; (C_mid / C)^B = 1/4 at C = 4 C_mid with B = 1.
+    assert sigmoid_curve(0.0, a=0.6, b=1.0, c_mid=100.0, r0=0.2) == pytest.approx(0.2)
+    assert sigmoid_curve(100.0, a=0.6, b=1.7, c_mid=100.0, r0=0.2) == pytest.approx(0.4)
+    # 0.2 + 0.4 / (1 + 1/4) = 0.52
+    assert sigmoid_curve(400.0, a=0.6, b=1.0, c_mid=100.0, r0=0.2) == pytest.approx(0.52)
+    assert sigmoid_curve(1e12, a=0.6, b=1.0, c_mid=100.0, r0=0.2) == pytest.approx(0.6, abs=1e-9)
+    assert power_law_curve(100.0, a=0.9, d=2.0, b=0.5) == pytest.approx(0.9 - 2.0 / 10.0)
+
+
+def test_a_grid_is_multiples_of_the_step_above_r0():
+    grid = a_grid_for(0.2, SigmoidFitConfig())
+    assert grid[0] == pytest.approx(0.205) and grid[-1] == pytest.approx(1.0)
+    assert grid.size == 160
+    paper = a_grid_for(0.2, SigmoidFitConfig(a_min=0.45, a_max=0.8))
+    assert paper[0] == pytest.approx(0.45) and paper[-1] == pytest.approx(0.8)
+    assert paper.size == 71  # 0.450 ... 0.800 step 0.005, as in the paper
+    strong_base = a_grid_for(0.5, SigmoidFitConfig(a_min=0.45, a_max=0.8))
+    assert strong_base[0] == pytest.approx(0.505) and strong_base.size == 60
+
+
+@pytest.mark.parametrize("a, b, c_mid, r0, compute", [
+    (0.61, 1.5, 2000.0, 0.20, np.geomspace(100.0, 16000.0, 40)),
+    (0.55, 0.8, 800.0, 0.10, np.geomspace(50.0, 20000.0, 20)),
+    (0.85, 2.5, 5000.0, 0.35, np.linspace(250.0, 20000.0, 80)),
+    (0.7137, 1.2, 6000.0, 0.30, np.linspace(200.0, 20000.0, 60)),  # A between grid points
+])
+def test_noise_free_curves_are_recovered(a, b, c_mid, r0, compute):
+    fit = fit_sigmoid(compute, reference_curve(compute, a, b, c_mid, r0), r0=r0, config=NO_CI)
+    assert abs(fit.a - a) <= 0.005
+    assert fit.b == pytest.approx(b, rel=0.05)
+    assert fit.c_mid == pytest.approx(c_mid, rel=0.05)
+    assert fit.r0 == r0 and not fit.a_fixed
+    assert fit.num_points == compute.size and fit.rmse < 2e-3
+    # The grid keeps A on multiples of the step (paper A.5).
+    assert fit.a / 0.005 == pytest.approx(round(fit.a / 0.005), abs=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_noisy_curve_recovered_and_interval_covers_truth(seed):
+    a, b, c_mid, r0 = 0.61, 1.5, 2000.0, 0.2
+    series = make_series(np.linspace(200.0, 16000.0, 40), a, b, c_mid, r0, noise=0.005, seed=seed)
+    fit = fit_sigmoid(series.compute_gpu_hours, series.pass_rate, r0=r0,
+                      config=SigmoidFitConfig(num_bootstrap=100, seed=seed))
+    assert abs(fit.a - a) <= 0.02
+    assert fit.b == pytest.approx(b, rel=0.2)
+    assert fit.c_mid == pytest.approx(c_mid, rel=0.2)
+    for value, (lo, hi) in ((fit.a, fit.a_ci), (fit.b, fit.b_ci), (fit.c_mid, fit.c_mid_ci)):
+        assert lo < hi
+        assert lo - 0.005 <= value <= hi + 0.005 * value  # the estimate sits in its interval
+    # The residuals are the observed minus fitted values of the points used.
+    np.testing.assert_allclose(fit.residuals, fit.pass_rate - fit.predict(fit.compute))
+    assert fit.a_ci[0] - 0.01 <= a <= fit.a_ci[1] + 0.01
+
+
+def test_warmup_points_are_excluded():
+    a, b, c_mid, r0 = 0.61, 1.5, 2000.0, 0.2
+    compute = np.linspace(100.0, 16000.0, 50)
+    rate = reference_curve(compute, a, b, c_mid, r0)
+    rate[compute < 1500.0] = 0.9  # a warm-up transient that does not follow the curve
+    num_warmup = int(np.sum(compute < 1500.0))
+    fit = fit_sigmoid(compute, rate, r0=r0,
+                      config=SigmoidFitConfig(num_bootstrap=0, warmup_compute=1500.0))
+    assert fit.num_warmup_excluded == num_warmup
+    assert fit.num_points == compute.size - num_warmup and fit.compute.min() >= 1500.0
+    assert abs(fit.a - a) <= 0.005 and fit.b == pytest.approx(b, rel=0.05)
+    polluted = fit_sigmoid(compute, rate, r0=r0, config=NO_CI)
+    assert polluted.rmse > 0.05  # without the exclusion the transient wrecks the fit
+
+
+def test_fixed_a_fits_b_and_c_mid_only():
+    compute = np.geomspace(100.0, 16000.0, 30)
+    rate = reference_curve(compute, 0.61, 1.5, 2000.0, 0.2)
+    fit = fit_sigmoid(compute, rate, r0=0.2, config=NO_CI, fixed_a=0.61)
+    assert fit.a == 0.61 and fit.a_fixed
+    assert fit.b == pytest.approx(1.5, rel=1e-3) and fit.c_mid == pytest.approx(2000.0, rel=1e-3)
+    with_ci = fit_sigmoid(compute, rate + 0.003 * np.sin(np.arange(30)), r0=0.2, fixed_a=0.61,
+                          config=SigmoidFitConfig(num_bootstrap=30))
+    assert with_ci.a_ci == (0.61, 0.61)
+
+
+def test_power_law_overshoots_a_on_an_early_window():
+    a, b, c_mid, r0 = 0.61, 1.5, 2000.0, 0.2
+    compute = np.linspace(100.0, 1800.0, 18)  # the run before it reaches C_mid
+    rate = reference_curve(compute, a, b, c_mid, r0)
+    power = fit_power_law(compute, rate)
+    sigmoid = fit_sigmoid(compute, rate, r0=r0, config=NO_CI)
+    assert power.a > a + 0.15  # paper A.4: badly over-estimated asymptote
+    assert abs(sigmoid.a - a) <= 0.01
+    # It fits the window itself tolerably, yet mispredicts the curve 10x further out.
+    assert power.rmse < 0.03
+    truth = reference_curve(20000.0, a, b, c_mid, r0)
+    assert abs(power.predict(20000.0) - truth) > 0.05
+    assert abs(sigmoid.predict(20000.0) - truth) < 0.01
+    # On the whole curve the power law still lands above the true asymptote.
+    full = np.linspace(100.0, 40000.0, 60)
+    assert fit_power_law(full, reference_curve(full, a, b, c_mid, r0)).a > a
+
+
+def test_power_law_recovers_its_own_curve():
+    compute = np.geomspace(10.0, 1e4, 25)
+    fit = fit_power_law(compute, power_law_curve(compute, a=0.7, d=1.5, b=0.6))
+    assert fit.a == pytest.approx(0.7, abs=1e-4)
+    assert fit.d == pytest.approx(1.5, rel=1e-3) and fit.b == pytest.approx(0.6, rel=1e-3)
+
+
+def test_extrapolation_from_half_the_compute():
+    a, b, c_mid, r0 = 0.61, 1.5, 2000.0, 0.2
+    compute = np.linspace(200.0, 16000.0, 40)
+    exact = extrapolation_report(make_series(compute, a, b, c_mid, r0), config=NO_CI)
+    assert exact.fit_budget == pytest.approx(8000.0)
+    assert exact.sigmoid.max_compute <= 8000.0
+    assert exact.held_out_compute.min() > 8000.0
+    assert exact.held_out_compute.size == int(np.sum(compute > 8000.0))
+    assert exact.final_compute == 16000.0
+    assert exact.final_predicted == pytest.approx(exact.final_observed, abs=2e-3)
+    assert exact.power_law is not None and exact.power_law.a > a + 0.05
+    noisy = extrapolation_report(make_series(compute, a, b, c_mid, r0, noise=0.005, seed=3),
+                                 fit_budget=6000.0, config=NO_CI)
+    assert noisy.fit_budget == 6000.0 and noisy.sigmoid.max_compute <= 6000.0
+    assert abs(noisy.final_error) < 0.02 and noisy.held_out_rmse < 0.015
+    # The power law's prediction at the end is worse than the sigmoid's.
+    assert abs(noisy.held_out_power_law[-1] - noisy.final_observed) > abs(noisy.final_error)
+
+
+def test_equal_a_within_0_02_compares_b_at_the_mean_a():
+    compute = np.geomspace(100.0, 20000.0, 40)
+    slow = make_series(compute, 0.60, 1.0, 2000.0, 0.2, run="slow")
+    fast = make_series(compute, 0.61, 2.0, 2000.0, 0.2, run="fast")
+    result = compare_recipes(slow, fast, config=SigmoidFitConfig(num_bootstrap=20))
+    assert result.a_equal
+    assert result.mean_a == pytest.approx(0.605, abs=0.005)
+    for refit in (result.refit_a, result.refit_b):
+        assert refit.a_fixed and refit.a == pytest.approx(result.mean_a)
+    assert result.refit_b.b > result.refit_a.b
+    assert result.better == "fast:all" and "more compute-efficient" in result.verdict
+
+
+def test_different_a_is_decided_by_a():
+    compute = np.geomspace(100.0, 20000.0, 40)
+    low = make_series(compute, 0.60, 2.0, 2000.0, 0.2, run="low")
+    high = make_series(compute, 0.65, 1.0, 2000.0, 0.2, run="high")
+    result = compare_recipes(low, high, config=NO_CI)
+    assert not result.a_equal and result.refit_a is None and result.refit_b is None
+    assert result.better == "high:all" and "higher asymptote" in result.verdict
+
+
+def test_same_recipe_two_seeds_is_a_tie():
+    compute = np.linspace(200.0, 16000.0, 40)
+    one = make_series(compute, 0.61, 1.5, 2000.0, 0.2, noise=0.005, seed=10, run="seed10")
+    two = make_series(compute, 0.61, 1.5, 2000.0, 0.2, noise=0.005, seed=11, run="seed11")
+    result = compare_recipes(one, two, config=SigmoidFitConfig(num_bootstrap=100))
+    assert result.a_equal and result.better is None and "equal" in result.verdict
+
+
+def test_too_few_points_is_a_clear_error():
+    compute = np.array([0.0, 100.0, 200.0, 300.0, 400.0, 500.0])
+    rate = np.array([0.2, 0.25, 0.3, 0.33, 0.36, 0.38])
+    with pytest.raises(ValueError, match=r"too few points to fit: 5 .* 0 warm-up"):
+        fit_sigmoid(compute, rate, r0=0.2, config=SigmoidFitConfig(min_points=6))
+    with pytest.raises(ValueError, match=r"too few points to fit: 2 .* 3 warm-up"):
+        fit_sigmoid(compute, rate, r0=0.2, config=SigmoidFitConfig(warmup_compute=350.0))
+
+
+def test_bad_curves_are_clear_errors():
+    compute = np.linspace(100.0, 1000.0, 10)
+    rate = np.linspace(0.2, 0.5, 10)
+    with pytest.raises(ValueError, match=r"pass rate 1.5 at point 3 is outside \[0, 1\]"):
+        fit_sigmoid(compute, np.where(np.arange(10) == 3, 1.5, rate), r0=0.1)
+    with pytest.raises(ValueError, match=r"not monotone: 150.0 GPU-hours at point 2"):
+        fit_sigmoid(np.where(np.arange(10) == 2, 150.0, compute), rate, r0=0.1)
+    with pytest.raises(ValueError, match="r0=1.2"):
+        fit_sigmoid(compute, rate, r0=1.2)
+    with pytest.raises(ValueError, match="fixed_a=0.05"):
+        fit_sigmoid(compute, rate, r0=0.1, fixed_a=0.05)
+    with pytest.raises(ValueError, match="a_step"):
+        SigmoidFitConfig(a_step=0.0)
+    with pytest.raises(ValueError, match="no step-0"):
+        extrapolation_report(ScalingSeries(run="r", task="all", compute_gpu_hours=compute,
+                                           pass_rate=rate), config=NO_CI)
