@@ -1,0 +1,111 @@
+"""The registry of model families: one name -> one per-model folder under models/.
+
+A `ModelFamily` names a family ("llama4", "qwen3_moe"), its sizes and the Hugging Face
+architectures it converts from, and forwards the Megatron-facing calls (config factory, layer
+spec, GPTModel kwargs, model build, HF config) to that family's package, imported on first use.
+Nothing here switches on substrings of model names: callers look a family up by its exact
+registered name, and an unknown name is an error that lists the registered ones.
+
+Importing this module does not import Megatron: family packages are imported lazily, after
+`megatron_rl.platform.activate_cpu_compat()` (a no-op on GPU machines) has put the CPU shims in
+place that `import megatron.core` needs on a CPU-only torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFamily:
+    """One registered model family; methods delegate to `models.<module>`."""
+
+    name: str
+    sizes: tuple[str, ...]
+    hf_architectures: tuple[str, ...]
+    module: str  # the family package, e.g. "models.llama4"
+
+    def _impl(self) -> ModuleType:
+        from megatron_rl.platform import activate_cpu_compat
+
+        activate_cpu_compat()
+        return importlib.import_module(self.module)
+
+    def check_size(self, size: str) -> None:
+        if size not in self.sizes:
+            raise ValueError(
+                f"model family {self.name!r} has no size {size!r}; choose one of {self.sizes}")
+
+    def transformer_config(self, size: str, *, use_transformer_engine: bool = False,
+                           **overrides: Any):
+        """Megatron TransformerConfig of `size`; overrides are TransformerConfig field names."""
+        self.check_size(size)
+        return self._impl().transformer_config(
+            size, use_transformer_engine=use_transformer_engine, **overrides)
+
+    def layer_spec(self, config, *, use_transformer_engine: bool, vp_stage: int | None = None,
+                   pp_rank: int | None = None):
+        """The decoder spec for this pipeline stage (local modules on CPU, TE modules on GPU)."""
+        return self._impl().layer_spec(
+            config, use_transformer_engine=use_transformer_engine, vp_stage=vp_stage,
+            pp_rank=pp_rank)
+
+    def model_kwargs(self, size: str) -> dict[str, Any]:
+        """GPTModel keyword arguments of `size` (vocab, sequence length, position embedding)."""
+        self.check_size(size)
+        return self._impl().model_kwargs(size)
+
+    def build_model(self, config, *, pre_process: bool, post_process: bool,
+                    use_transformer_engine: bool = False, vp_stage: int | None = None):
+        """A megatron.core GPTModel for `config` (made by `transformer_config`)."""
+        return self._impl().build_model(
+            config, pre_process=pre_process, post_process=post_process,
+            use_transformer_engine=use_transformer_engine, vp_stage=vp_stage)
+
+    def hf_config(self, size: str) -> dict[str, Any]:
+        """The Hugging Face config.json content of `size`."""
+        self.check_size(size)
+        return self._impl().hf_config(size)
+
+
+_FAMILIES: dict[str, ModelFamily] = {
+    family.name: family
+    for family in (
+        ModelFamily(
+            name="llama4",
+            sizes=("tiny", "tiny_maverick", "scout", "maverick"),
+            hf_architectures=("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
+            module="models.llama4",
+        ),
+        ModelFamily(
+            name="qwen3_moe",
+            sizes=("tiny", "30b_a3b"),
+            hf_architectures=("Qwen3MoeForCausalLM",),
+            module="models.qwen3_moe",
+        ),
+    )
+}
+
+
+def list_model_families() -> tuple[str, ...]:
+    return tuple(_FAMILIES)
+
+
+def get_model_family(name: str) -> ModelFamily:
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model family {name!r}; supported families: {', '.join(_FAMILIES)}"
+        ) from None
+
+
+def model_family_for_hf_architecture(architecture: str) -> ModelFamily:
+    """The family that converts the HF class `architecture` (config.json "architectures")."""
+    for family in _FAMILIES.values():
+        if architecture in family.hf_architectures:
+            return family
+    known = sorted(a for f in _FAMILIES.values() for a in f.hf_architectures)
+    raise ValueError(f"no model family converts HF architecture {architecture!r}; known: {known}")
