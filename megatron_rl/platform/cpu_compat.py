@@ -1,0 +1,286 @@
+"""The CPU compatibility shims that let megatron-core 0.19.2 run on a CPU-only torch (gloo).
+
+This module owns every patch the project applies to a library so that the *real* Megatron code
+(GPTModel, MoE dispatchers, DDP, distributed optimizer, pipeline schedules, dist_checkpointing)
+runs on development and CI machines without CUDA. `activate_cpu_compat()` applies them once,
+and only when `torch.cuda.is_available()` is False: on a GPU machine it returns without touching
+anything. Each shim is commented with what breaks without it. Shims 1-8 are the ones listed
+(and confirmed necessary by switching each off) in /work/shared/CPU_STACK.md; shim 9 (torch AdamW
+checkpoint loading) was found while building the trainer's resharding checkpoints. The
+nvidia-resiliency-ext version skew that breaks `import megatron.core` is not CPU-specific and is
+handled in megatron_rl/_nvrx_compat.py. Call `activate_cpu_compat()` before the first
+`import megatron.core` (shim 1 must be in place before that import).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import sys
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE = False
+_CPU = torch.device("cpu")
+
+
+def activate_cpu_compat() -> bool:
+    """Apply the CPU shims once; returns True if they are (now) active, False on a CUDA machine."""
+    global _ACTIVE
+    if torch.cuda.is_available():
+        return False
+    if _ACTIVE:
+        return True
+    _shim_triton_stand_in()
+    _shim_cuda_device_redirect()
+    _shim_current_device_and_dot_cuda()
+    _shim_synchronize()
+    _shim_cuda_type_strings()
+    _shim_streams_and_events()
+    _shim_sequence_parallel_torch_norm()
+    _shim_alltoall_splits_on_cpu()
+    _shim_torch_adamw_reshardable_load()
+    _ACTIVE = True
+    return True
+
+
+def is_cpu_compat_active() -> bool:
+    return _ACTIVE
+
+
+# 1. `import megatron.core` reaches megatron/core/transformer/moe/ops/paged_stash.py, which does
+#    `import triton` at module level (GPU-only kernels for MoE activation paging, never used on
+#    CPU). Without triton installed the whole package fails to import; register a stand-in for
+#    that one module whose kernels raise if ever called.
+def _shim_triton_stand_in() -> None:
+    if importlib.util.find_spec("triton") is not None:
+        return
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+
+    def _unavailable(*_args, **_kwargs):
+        raise RuntimeError("MoE paged stash needs triton and CUDA; it is not available on CPU")
+
+    stand_in = types.ModuleType(name)
+    stand_in.GLOBAL_BLOCK_SIZE = 1024
+    stand_in.paged_stash_copy_kernel = _unavailable
+    stand_in.paged_stash_pop_kernel = _unavailable
+    stand_in.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[name] = stand_in
+
+
+# 2. Megatron creates tensors with a literal `device="cuda"` (FP32Optimizer's loss scale,
+#    clip_grads' overflow buffer, DDP buffers, RoPE) and moves with `.to("cuda")`; on a CPU torch
+#    each raises "Torch not compiled with CUDA enabled". A global torch-function mode rewrites
+#    every CUDA `device=` argument (and `.to(cuda)`) to the CPU. Costs ~20% of a CPU step.
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int is how `torch.cuda.current_device()` names a GPU.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _shim_cuda_device_redirect() -> None:
+    _CudaToCpuMode().__enter__()  # stays on the mode stack for the life of the process
+
+
+# 3. `torch.cuda.current_device()` is used as a device (RoPE inv_freq, DDP buffers) and `.cuda()`
+#    moves tied embeddings with PP and the distributed optimizer's shards: both raise without
+#    CUDA. Make the current device the CPU and `.cuda()` the identity.
+def _shim_current_device_and_dot_cuda() -> None:
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.set_device = lambda *_args, **_kwargs: None
+    torch.Tensor.cuda = lambda self, *_args, **_kwargs: self
+    torch.nn.Module.cuda = lambda self, *_args, **_kwargs: self
+
+
+# 4. dist_checkpointing calls `torch.cuda.synchronize()` around save/load: raises without CUDA.
+def _shim_synchronize() -> None:
+    torch.cuda.synchronize = lambda *_args, **_kwargs: None
+
+
+# 5. clip_grads asserts `param.grad.type() == 'torch.cuda.FloatTensor'` and both optimizers
+#    dispatch on 'torch.cuda.{Float,Half,BFloat16}Tensor' strings (TypeError for CPU tensors).
+#    Report CPU tensors under the CUDA type name; a CUDA target type string maps to the CPU one.
+_original_tensor_type = torch.Tensor.type
+
+
+def _tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None:
+        name = _original_tensor_type(self)
+        # The torch-function mode (shim 2) re-enters this function for the inner call: rename once.
+        if self.device.type == "cpu" and not name.startswith("torch.cuda."):
+            name = name.replace("torch.", "torch.cuda.", 1)
+        return name
+    if isinstance(dtype, str):
+        dtype = dtype.replace("torch.cuda.", "torch.", 1)
+    return _original_tensor_type(self, dtype, non_blocking, **kwargs)
+
+
+def _shim_cuda_type_strings() -> None:
+    torch.Tensor.type = _tensor_type
+
+
+# 6. DDP's overlapped grad sync and the alltoall MoE dispatcher create CUDA streams and events
+#    (torch.cuda.Stream(), current_stream(), stream(s), Event().record()); each raises without
+#    CUDA. On CPU all work is already ordered on one stream, so no-op stand-ins are exact.
+class _NullEvent:
+    def __init__(self, *_args, **_kwargs):
+        pass
+
+    def record(self, *_args, **_kwargs):
+        pass
+
+    def wait(self, *_args, **_kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, _other):
+        return 0.0
+
+
+class _NullStream:
+    def __init__(self, *_args, **_kwargs):
+        pass
+
+    def wait_stream(self, _stream):
+        pass
+
+    def wait_event(self, _event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+_NULL_STREAM = _NullStream()
+
+
+def _shim_streams_and_events() -> None:
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.current_stream = lambda *_args, **_kwargs: _NULL_STREAM
+    torch.cuda.default_stream = lambda *_args, **_kwargs: _NULL_STREAM
+    torch.cuda.stream = lambda *_args, **_kwargs: contextlib.nullcontext()
+    torch.Tensor.record_stream = lambda self, *_args, **_kwargs: None
+
+
+# 7. With the local (non-TE) layer spec, WrappedTorchNorm asserts `not config.sequence_parallel`,
+#    so TP+SP (required for MoE with TP) cannot be built. A torch norm is correct under SP if its
+#    weights carry `sequence_parallel=True`: finalize_model_grads then all-reduces their grads over
+#    TP (each rank saw a different sequence shard). With fp32_residual_connection the input is fp32
+#    while the weights may be bf16; compute in the input's dtype instead of failing.
+class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(x.dtype) if self.weight is not None else None
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
+class _SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to(x.dtype) if self.weight is not None else None
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+def _shim_sequence_parallel_torch_norm() -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original_new = WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel and not config.fp32_residual_connection:
+            return original_new(cls, config, hidden_size, eps, *args, **kwargs)
+        # Let the original validate everything else; only the SP assertion is lifted.
+        unchecked = copy.copy(config)
+        object.__setattr__(unchecked, "sequence_parallel", False)
+        reference = original_new(cls, unchecked, hidden_size, eps, *args, **kwargs)
+        norm_cls = (_SequenceParallelRMSNorm if isinstance(reference, torch.nn.RMSNorm)
+                    else _SequenceParallelLayerNorm)
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+    WrappedTorchNorm.__new__ = new
+
+
+# 8. The alltoall dispatcher converts split sizes to numpy only for CUDA tensors
+#    (moe_utils.maybe_move_tensor_to_cpu checks `tensor.is_cuda`); on CPU the splits stay tensors
+#    and gloo's all_to_all_single rejects them ("split sizes must be a list of ints"). Convert CPU
+#    tensors to numpy too, as the CUDA path does.
+def _shim_alltoall_splits_on_cpu() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# 9. Without TE/apex, Megatron falls back to torch.optim.AdamW, which keeps a per-parameter "step"
+#    tensor; two bugs in DistributedOptimizer's load path for it (TE's FusedAdam on GPU keeps no
+#    per-parameter step, so GPU runs never take this path):
+#    a) a 'fully_reshardable' load looks "step" up among the per-parameter tensors, which skip it:
+#       KeyError: 'step' (_set_main_param_and_optimizer_states). Let absent keys read as "not a
+#       tensor", which that function already skips.
+#    b) load_state_dict gives every parameter the SAME step tensor object; AdamW increments it in
+#       place once per parameter, so after a resume Adam's bias correction is wrong (a resumed run
+#       diverged from the uninterrupted one at its second step). Give each parameter its own copy.
+class _AbsentIsNone(dict):
+    def __missing__(self, _key):
+        return None
+
+
+def _shim_torch_adamw_reshardable_load() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        return original(self, model_param, _AbsentIsNone(tensors))
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+    original_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.load_state_dict = load_state_dict

@@ -1,0 +1,203 @@
+"""The trainer's input and how it is cut up: `TrainBatch` (one optimizer step's completions, typed),
+its split across data-parallel ranks, and padded micro-batches under a token budget.
+
+Every trainer rank receives the same global `TrainBatch`; each computes the same deterministic
+partition (`shard_for_data_parallel`, balanced by token count) and keeps its share, so no rank needs
+to see another's data and the aggregation denominators can be counted from the global batch.
+Within a rank, completions are grouped into micro-batches of at most `max_tokens` padded tokens
+(`pack_micro_batches`). Sequences are right-padded, not concatenated: causal attention makes the
+real tokens' outputs independent of trailing padding, and Megatron's local (non-TE) attention has no
+packed-sequence (THD) kernel; padded tokens are excluded from MoE routing through `padding_mask`.
+Token t's log-prob is predicted at position t-1, so a completion of L tokens contributes L-1
+positions whose targets are tokens 1..L-1 and whose loss mask is `loss_mask[1:]`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainBatch:
+    """One optimizer step's completions (the GLOBAL batch, identical on every trainer rank).
+
+    Per completion i (position i in the lists):
+      token_ids[i]     [L_i] int64: prompt + completion tokens.
+      loss_mask[i]     [L_i] 0/1: 1 on tokens the policy sampled (they carry the loss); 0 on prompt
+                       tokens and on forced-interruption tokens inserted by the generator.
+      old_logprobs[i]  [L_i] float: the generator's log pi_gen(token_t | tokens_<t) per token
+                       (values where loss_mask is 0 are ignored).
+      advantages[i]    float: the completion's advantage (broadcast to its tokens).
+      prompt_ids[i]    int: global prompt id in [0, num_prompts) (groups completions of a prompt).
+      sample_ids[i]    int: global completion id; the ids are a permutation of [0, num_samples).
+    """
+
+    token_ids: Sequence[torch.Tensor]
+    loss_mask: Sequence[torch.Tensor]
+    old_logprobs: Sequence[torch.Tensor]
+    advantages: torch.Tensor
+    prompt_ids: torch.Tensor
+    sample_ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        num = len(self.token_ids)
+        if num == 0:
+            raise ValueError("TrainBatch is empty; give at least one completion")
+        for name in ("loss_mask", "old_logprobs"):
+            if len(getattr(self, name)) != num:
+                raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries but "
+                                 f"token_ids has {num}; give one per completion")
+        for name in ("advantages", "prompt_ids", "sample_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != (num,):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise ValueError(
+                    f"TrainBatch.{name} must be a tensor of shape ({num},), got {shape}")
+        if sorted(self.sample_ids.tolist()) != list(range(num)):
+            raise ValueError("TrainBatch.sample_ids must be a permutation of 0..num_samples-1")
+        if int(self.prompt_ids.min()) < 0:
+            raise ValueError("TrainBatch.prompt_ids must be >= 0")
+        per_token = zip(self.token_ids, self.loss_mask, self.old_logprobs)
+        for i, (ids, mask, old) in enumerate(per_token):
+            if ids.dim() != 1 or ids.numel() < 2:
+                raise ValueError(f"completion {i}: token_ids must be 1-D with at least 2 tokens")
+            if mask.shape != ids.shape or old.shape != ids.shape:
+                raise ValueError(f"completion {i}: loss_mask {tuple(mask.shape)} and old_logprobs "
+                                 f"{tuple(old.shape)} must match token_ids {tuple(ids.shape)}")
+            if mask[0] != 0:
+                raise ValueError(f"completion {i}: loss_mask[0] is 1, but the first token has no "
+                                 "prediction; it must be a prompt token (mask 0)")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.token_ids)
+
+    def sample_num_loss_tokens(self) -> list[int]:
+        """Loss tokens per completion, indexed by sample id."""
+        counts = [0] * self.num_samples
+        for sample_id, mask in zip(self.sample_ids.tolist(), self.loss_mask):
+            counts[sample_id] = int((mask[1:] != 0).sum())
+        return counts
+
+    def prompt_of_sample(self) -> list[int]:
+        """Global prompt id of each completion, indexed by sample id."""
+        prompts = [0] * self.num_samples
+        for sample_id, prompt_id in zip(self.sample_ids.tolist(), self.prompt_ids.tolist()):
+            prompts[sample_id] = prompt_id
+        return prompts
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MicroBatch:
+    """Right-padded rows [b, s] of positions (s a multiple of the sequence-parallel split)."""
+
+    input_ids: torch.Tensor  # [b, s] int64
+    position_ids: torch.Tensor  # [b, s] int64
+    targets: torch.Tensor  # [b, s] int64, the next token
+    loss_mask: torch.Tensor  # [b, s] bool, on targets
+    old_logprobs: torch.Tensor  # [b, s] float32
+    advantages: torch.Tensor  # [b, s] float32
+    sample_index: torch.Tensor  # [b, s] int64, global sample id (0 on padding)
+    prompt_index: torch.Tensor  # [b, s] int64, global prompt id (0 on padding)
+    padding_mask: torch.Tensor  # [b, s] bool, True on padding (excluded from MoE routing)
+    entropy: torch.Tensor | None = None  # [num_loss_tokens] set by the forward pass (a metric)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    @property
+    def num_tokens(self) -> int:
+        return int((~self.padding_mask).sum())
+
+
+def shard_for_data_parallel(batch: TrainBatch, dp_rank: int, dp_size: int) -> list[int]:
+    """Indices (into the batch lists) of the completions data-parallel rank `dp_rank` trains on.
+
+    Longest-first greedy balancing of token counts; deterministic, so every rank computes the same
+    partition without communication. A rank may get none when there are fewer completions than
+    ranks (it then runs padding micro-batches that carry no loss).
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
+    order = sorted(range(batch.num_samples), key=lambda i: (-batch.token_ids[i].numel(), i))
+    loads = [0] * dp_size
+    shards: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in order:
+        rank = min(range(dp_size), key=lambda r: (loads[r], r))
+        shards[rank].append(i)
+        loads[rank] += batch.token_ids[i].numel()
+    return sorted(shards[dp_rank])
+
+
+def pack_micro_batches(batch: TrainBatch, indices: Sequence[int], *, max_tokens: int,
+                       pad_to_multiple: int = 1) -> list[MicroBatch]:
+    """Group completions `indices` into micro-batches of at most `max_tokens` padded positions.
+
+    Completions are taken longest first; a micro-batch of b rows padded to length s holds
+    b * s <= max_tokens. A completion that alone exceeds the budget is an error.
+    """
+    if max_tokens < 1 or pad_to_multiple < 1:
+        raise ValueError("max_tokens and pad_to_multiple must be >= 1")
+    order = sorted(indices, key=lambda i: (-batch.token_ids[i].numel(), i))
+    groups: list[list[int]] = []
+    for i in order:
+        length = _padded_length(batch.token_ids[i].numel() - 1, pad_to_multiple)
+        if length > max_tokens:
+            raise ValueError(
+                f"a completion of {batch.token_ids[i].numel()} tokens needs {length} positions, "
+                f"more than micro_batch_max_tokens={max_tokens}; raise micro_batch_max_tokens")
+        # Longest first: the group's padded length is its first member's.
+        if groups and (len(groups[-1]) + 1) * _padded_length(
+                batch.token_ids[groups[-1][0]].numel() - 1, pad_to_multiple) <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [_collate(batch, group, pad_to_multiple) for group in groups]
+
+
+def padding_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
+    """A micro-batch with no loss tokens: keeps ranks with less data in lock-step with the others
+    (expert-parallel all-to-alls need every rank of the group in each forward)."""
+    length = _padded_length(1, pad_to_multiple)
+    zeros = torch.zeros(1, length, dtype=torch.int64)
+    return MicroBatch(
+        input_ids=zeros, position_ids=torch.arange(length).unsqueeze(0), targets=zeros.clone(),
+        loss_mask=torch.zeros(1, length, dtype=torch.bool),
+        old_logprobs=torch.zeros(1, length), advantages=torch.zeros(1, length),
+        sample_index=zeros.clone(), prompt_index=zeros.clone(),
+        padding_mask=torch.zeros(1, length, dtype=torch.bool))
+
+
+def _padded_length(num_positions: int, multiple: int) -> int:
+    return -(-num_positions // multiple) * multiple
+
+
+def _collate(batch: TrainBatch, group: list[int], pad_to_multiple: int) -> MicroBatch:
+    length = _padded_length(max(batch.token_ids[i].numel() - 1 for i in group), pad_to_multiple)
+    rows = len(group)
+    mb = MicroBatch(
+        input_ids=torch.zeros(rows, length, dtype=torch.int64),
+        position_ids=torch.arange(length).repeat(rows, 1),
+        targets=torch.zeros(rows, length, dtype=torch.int64),
+        loss_mask=torch.zeros(rows, length, dtype=torch.bool),
+        old_logprobs=torch.zeros(rows, length, dtype=torch.float32),
+        advantages=torch.zeros(rows, length, dtype=torch.float32),
+        sample_index=torch.zeros(rows, length, dtype=torch.int64),
+        prompt_index=torch.zeros(rows, length, dtype=torch.int64),
+        padding_mask=torch.ones(rows, length, dtype=torch.bool),
+    )
+    for row, i in enumerate(group):
+        ids = batch.token_ids[i].to(torch.int64)
+        n = ids.numel() - 1
+        mb.input_ids[row, :n] = ids[:-1]
+        mb.targets[row, :n] = ids[1:]
+        mb.loss_mask[row, :n] = batch.loss_mask[i][1:] != 0
+        mb.old_logprobs[row, :n] = batch.old_logprobs[i][1:].float()
+        mb.advantages[row, :n] = float(batch.advantages[i])
+        mb.sample_index[row, :n] = int(batch.sample_ids[i])
+        mb.prompt_index[row, :n] = int(batch.prompt_ids[i])
+        mb.padding_mask[row, :n] = False
+    return mb

@@ -1,0 +1,181 @@
+"""Trainer checkpoints with Megatron dist_checkpointing: model, optimizer, scheduler, RNG, step
+counters and a driver-owned `extra_state` (e.g. sampler state), loadable at another parallel layout.
+
+Tensors are saved as sharded tensors by global identity, so TP / EP / PP / DP may differ between
+save and load. The distributed optimizer uses the 'fully_reshardable' sharding type: it stores the
+optimizer state per parameter (not per DP-bucket), which is what allows changing TP/PP/EP and not
+only DP ('dp_reshardable' does DP only; the default fails with "flattened_range is not
+supported"). RNG states are restored only at the layout they were saved at (they are per rank); at
+another layout the freshly seeded state is kept.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from megatron_rl.trainer.model import unwrap
+from megatron_rl.trainer.parallel import ParallelGroups, ParallelLayout
+
+# chained_optim_avoid_prefix: the optimizer-state keys must not depend on how many chained
+# optimizers the layout has (experts get their own optimizer only when EP/ETP differ from dense).
+_SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
+                     "chained_optim_avoid_prefix": True}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointState:
+    """What a load gives back to the trainer besides the restored model and optimizer."""
+
+    step: int
+    num_skipped_steps: int
+    saved_layout: ParallelLayout
+    extra_state: dict[str, Any]
+    rng_restored: bool
+
+
+def save_checkpoint(directory: str, model, optimizer, scheduler, *, layout: ParallelLayout,
+                    groups: ParallelGroups, step: int, num_skipped_steps: int,
+                    extra_state: dict[str, Any] | None = None) -> None:
+    """Write a checkpoint of this rank's shards (collective: every trainer rank calls it).
+    `step` counts optimizer updates; at step 0 only the model (and counters) are saved."""
+    from megatron.core import dist_checkpointing
+
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    torch.distributed.barrier()
+    # Before the first update the optimizer has no state (Adam initialises it lazily) and
+    # Megatron cannot serialise it: such a checkpoint holds the model only.
+    with_optimizer = step > 0
+    state = _sharded_state(model, optimizer if with_optimizer else None, groups,
+                           is_loading=False)
+    state["scheduler"] = scheduler.state_dict()
+    state["trainer"] = {"step": step, "num_skipped_steps": num_skipped_steps,
+                        "with_optimizer": with_optimizer,
+                        "layout": dataclasses.asdict(layout),
+                        # Pickled so that the driver's nested state round-trips as bytes.
+                        "extra_state": pickle.dumps(extra_state or {})}
+    state["rng"] = _rng_object(groups, _rng_state())
+    dist_checkpointing.save(state, directory)
+    torch.distributed.barrier()
+
+
+def load_checkpoint(directory: str, model, optimizer, scheduler, *, layout: ParallelLayout,
+                    groups: ParallelGroups, load_optimizer: bool = True) -> CheckpointState:
+    """Restore model (and optimizer, scheduler) in place; collective over all trainer ranks."""
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    common = dist_checkpointing.load_common_state_dict(directory)
+    saved_layout = ParallelLayout(**common["trainer"]["layout"])
+    load_optimizer = load_optimizer and common["trainer"]["with_optimizer"]
+    same_ranks = (saved_layout.tensor_model_parallel_size == layout.tensor_model_parallel_size
+                  and saved_layout.pipeline_model_parallel_size
+                  == layout.pipeline_model_parallel_size)
+    if load_optimizer:
+        _init_empty_optimizer_state(optimizer)
+    state = _sharded_state(model, optimizer if load_optimizer else None, groups, is_loading=True)
+    if same_ranks:
+        state["rng"] = _rng_object(groups, _rng_state())
+    loaded = dist_checkpointing.load(state, directory)
+    unwrap(model).load_state_dict(loaded["model"])
+    if load_optimizer:
+        optimizer.load_state_dict(_with_own_param_groups(optimizer, loaded["optimizer"],
+                                                         adam_step=loaded["trainer"]["step"]))
+        scheduler.load_state_dict(loaded["scheduler"])
+    if same_ranks:
+        _set_rng_state(loaded["rng"])
+    trainer = loaded["trainer"]
+    return CheckpointState(step=trainer["step"], num_skipped_steps=trainer["num_skipped_steps"],
+                           saved_layout=saved_layout,
+                           extra_state=pickle.loads(trainer["extra_state"]),
+                           rng_restored=same_ranks)
+
+
+def _sharded_state(model, optimizer, groups: ParallelGroups, *, is_loading: bool) -> dict:
+    # The GPTModel's own keys (no DDP / Float16Module prefixes): fp32 and bf16 runs share them.
+    # A fresh metadata dict per call: Megatron caches process groups in it (dp_cp_group), which
+    # would be stale after the layout changes.
+    model_state = unwrap(model).sharded_state_dict(metadata=dict(_SHARDED_METADATA))
+    state = {"model": model_state}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=dict(_SHARDED_METADATA))
+    return state
+
+
+def _with_own_param_groups(optimizer, loaded: dict, *, adam_step: int):
+    """The loaded optimizer state with this optimizer's own param groups (and the saved step).
+
+    The per-parameter state (fp32 params, exp_avg, exp_avg_sq) is sharded by parameter and
+    reshards freely; the param groups are saved per chained optimizer, and the number of chained
+    optimizers depends on the layout (expert parameters get their own optimizer only when EP > 1 or
+    ETP != TP). Hyper-parameters come from the scheduler anyway, so the groups are rebuilt from
+    this optimizer and only Adam's step count (for bias correction) is taken from the checkpoint.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not all(isinstance(opt, DistributedOptimizer) for opt in chained):
+        return loaded  # the plain optimizers' state only loads at the layout it was saved at
+    parts = [loaded[i] for i in range(len(chained))] if len(chained) > 1 else [loaded]
+    for opt, part in zip(chained, parts):
+        own = opt.state_dict()["optimizer"]
+        for group in own["param_groups"]:
+            group["step"] = adam_step
+        part["optimizer"] = own
+        part["param_state_sharding_type"] = _SHARDED_METADATA["distrib_optim_sharding_type"]
+    return {i: part for i, part in enumerate(parts)} if len(chained) > 1 else parts[0]
+
+
+def _init_empty_optimizer_state(optimizer) -> None:
+    """Give a never-stepped optimizer the state tensors a checkpoint load copies into.
+
+    Megatron builds the load targets from the optimizer's current state, which Adam creates
+    lazily; Megatron's `init_state_fn` adds exp_avg / exp_avg_sq but not torch AdamW's per-parameter
+    "step" (TE's FusedAdam keeps none), which the distributed optimizer's state_dict requires.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if any(len(inner.state[p]) for group in inner.param_groups for p in group["params"]):
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+                    inner.state[param].setdefault("step", torch.tensor(0.0))
+
+
+def _rng_object(groups: ParallelGroups, rng: dict):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    # One object per (pp, tp) coordinate; data-parallel replicas hold the same seed stream.
+    return ShardedObject("rng_state", rng, (groups.pp_size, groups.tp_size),
+                         (groups.pp_rank, groups.tp_rank), replica_id=groups.dp_rank)
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {"random": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(rng: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(rng["random"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    if rng["tracker"]:
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])

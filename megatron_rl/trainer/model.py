@@ -1,0 +1,139 @@
+"""Building the trainer's model: a registered model family at a parallel layout, wrapped for
+mixed precision and Megatron DDP, configured for the RL loss.
+
+`precision_overrides(...)` is the one place that turns the run's precision choice (fp32 / bf16,
+optional Transformer Engine FP8 with the delayed or current-scaling recipe) into TransformerConfig
+fields and the layer-spec choice (TE on GPU, local on CPU); it is pure, so the selection is
+unit-tested without a GPU. `build_model(...)` asks the family for its TransformerConfig with the
+layout and trainer overrides, builds this pipeline stage's GPTModel, and wraps it. Loss scaling:
+`calculate_per_token_loss=True` makes Megatron neither divide the loss by the number of
+micro-batches nor average gradients over data-parallel ranks, and `_finalize_grads_unscaled`
+drops its final 1/num_tokens scaling: our loss already carries the global aggregation
+denominators, so gradients are plain sums over micro-batches and ranks (see step.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from megatron_rl.platform import activate_cpu_compat, has_transformer_engine
+from megatron_rl.trainer.parallel import ParallelGroups, ParallelLayout
+
+PRECISIONS = ("fp32", "bf16")
+FP8_FORMATS = ("e4m3", "hybrid")
+# "current" is Transformer Engine's name for Megatron's per-tensor current scaling ("tensorwise").
+FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "tensorwise": "tensorwise"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PrecisionChoice:
+    use_transformer_engine: bool
+    overrides: dict[str, Any]  # TransformerConfig fields
+
+
+def precision_overrides(precision: str = "fp32", *, fp8_recipe: str | None = None,
+                        fp8_format: str = "hybrid", use_transformer_engine: bool | None = None,
+                        transformer_engine_available: bool | None = None) -> PrecisionChoice:
+    """TransformerConfig fields and layer-spec backend for a precision choice.
+
+    `fp8_recipe` None = no FP8; "delayed" or "current" (per-tensor current scaling, Megatron's
+    "tensorwise"). FP8 needs Transformer Engine (GPU); asking for it without TE is an error, never
+    a silent fallback. `use_transformer_engine` None = use TE whenever it is available.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not supported; choose one of {PRECISIONS}")
+    available = (has_transformer_engine() if transformer_engine_available is None
+                 else transformer_engine_available)
+    if use_transformer_engine and not available:
+        raise RuntimeError(
+            "use_transformer_engine=True but Transformer Engine is not usable here (it needs a "
+            "CUDA GPU and the NGC image); set model.use_transformer_engine=false on CPU")
+    te = available if use_transformer_engine is None else use_transformer_engine
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    overrides: dict[str, Any] = {"bf16": precision == "bf16", "params_dtype": dtype,
+                                 "pipeline_dtype": dtype}
+    if fp8_recipe is not None:
+        if fp8_recipe not in FP8_RECIPES:
+            raise ValueError(f"fp8 recipe {fp8_recipe!r} is not supported; choose one of "
+                             f"{tuple(FP8_RECIPES)} or None")
+        if fp8_format not in FP8_FORMATS:
+            raise ValueError(f"fp8 format {fp8_format!r} is not supported; choose one of "
+                             f"{FP8_FORMATS}")
+        if not te:
+            raise RuntimeError(
+                f"FP8 ({fp8_recipe} scaling) needs Transformer Engine on a CUDA GPU, and this "
+                "machine has none (CPU-only torch or TE not importable); set model.fp8=null to "
+                "train in fp32/bf16 here")
+        if precision != "bf16":
+            raise ValueError("FP8 runs on top of bf16 parameters; set precision='bf16' "
+                             "(model.params_dtype=bfloat16)")
+        overrides.update(fp8=fp8_format, fp8_recipe=FP8_RECIPES[fp8_recipe])
+    return PrecisionChoice(use_transformer_engine=te, overrides=overrides)
+
+
+def rl_overrides(layout: ParallelLayout) -> dict[str, Any]:
+    """TransformerConfig fields the RL trainer needs whatever the family says."""
+    return {
+        **layout.megatron_overrides(),
+        # The log-probs must match the generator's: no dropout in the policy.
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        # Loss already normalised by global denominators: no per-micro-batch / per-DP averaging.
+        "calculate_per_token_loss": True,
+        # Micro-batches have different padded shapes; pipeline stages exchange shapes first.
+        "variable_seq_lengths": layout.pipeline_model_parallel_size > 1,
+    }
+
+
+def build_model(family, size: str, layout: ParallelLayout, groups: ParallelGroups, *,
+                precision: PrecisionChoice, use_distributed_optimizer: bool = True,
+                config_overrides: dict[str, Any] | None = None):
+    """This rank's model chunk wrapped in Megatron DDP, and its TransformerConfig.
+
+    `family` is a models registry entry (`models.get_model_family(name)`) or any object with the
+    same `transformer_config` / `build_model` methods.
+    """
+    activate_cpu_compat()
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    overrides = {**precision.overrides, **rl_overrides(layout), **(config_overrides or {})}
+    config = family.transformer_config(
+        size, use_transformer_engine=precision.use_transformer_engine, **overrides)
+    if getattr(config, "use_mup", False):
+        raise ValueError("MuP logit scaling is not supported by the RL loss head; disable use_mup")
+    model = family.build_model(
+        config, pre_process=groups.is_pipeline_first_stage,
+        post_process=groups.is_pipeline_last_stage,
+        use_transformer_engine=precision.use_transformer_engine)
+    for param in model.parameters():
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+    if config.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer, check_for_nan_in_grad=False)
+    model = DistributedDataParallel(config, ddp_config, model)
+    config.finalize_model_grads_func = _finalize_grads_unscaled
+    config.no_sync_func = model.no_sync
+    return model, config
+
+
+def _finalize_grads_unscaled(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """Megatron's finalize_model_grads (DP/EP reduction, SP norm and tied-embedding all-reduce)
+    without its 1/num_tokens scaling: our per-token weights already divide by global counts."""
+    from megatron.core.distributed import finalize_model_grads
+
+    del num_tokens
+    finalize_model_grads(model, None, pg_collection=pg_collection,
+                         force_all_reduce=force_all_reduce)
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The GPTModel inside the DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model

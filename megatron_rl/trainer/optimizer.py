@@ -1,0 +1,64 @@
+"""AdamW and its learning-rate schedule for the trainer, from megatron-core.
+
+ScaleRL defaults (SCALERL.md section 8): AdamW, lr 5e-7 reached by a linear warm-up of 100 steps
+and then constant, eps 1e-15, weight decay 0.01; gradient clipping at 1.0 (not stated in the
+paper). Megatron's `get_megatron_optimizer` gives the distributed optimizer (optimizer state
+sharded over data-parallel ranks, separately for expert parameters) and `OptimizerParamScheduler`
+the warm-up-then-constant schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSettings:
+    lr: float = 5e-7
+    lr_warmup_steps: int = 100
+    lr_schedule: str = "constant"  # after warm-up: constant (ScaleRL), linear or cosine decay
+    min_lr: float = 0.0  # reached at num_steps by a decaying schedule
+    num_steps: int = 1000
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-15
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"train.lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if self.lr_schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"train.lr_schedule {self.lr_schedule!r} is not one of "
+                             "('constant', 'linear', 'cosine')")
+        if self.clip_grad < 0:
+            raise ValueError(f"train.clip_grad must be >= 0 (0 disables), got {self.clip_grad}")
+
+
+def build_optimizer(model_chunks: list, settings: OptimizerSettings, *, bf16: bool,
+                    params_dtype: torch.dtype):
+    """(MegatronOptimizer, OptimizerParamScheduler) for the DDP-wrapped model chunks."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    min_lr = settings.lr if settings.lr_schedule == "constant" else settings.min_lr
+    config = OptimizerConfig(
+        optimizer="adam", lr=settings.lr, min_lr=min_lr,
+        weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+        clip_grad=settings.clip_grad, bf16=bf16, params_dtype=params_dtype,
+        use_distributed_optimizer=settings.use_distributed_optimizer)
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    # Warm-up from 0 to lr, then constant or decaying to min_lr at num_steps. The scheduler's
+    # step count is advanced before each optimizer step (trainer), so step k uses lr * k / warm-up.
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=min_lr,
+        lr_warmup_steps=settings.lr_warmup_steps,
+        lr_decay_steps=max(settings.num_steps, settings.lr_warmup_steps + 1),
+        lr_decay_style=settings.lr_schedule, start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+    return optimizer, scheduler

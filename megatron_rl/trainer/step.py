@@ -1,0 +1,153 @@
+"""One forward-backward pass of the RL loss through Megatron's pipeline schedule.
+
+The model runs up to its final norm; GPTModel's `output_processor` hook (megatron-core 0.19.2)
+then hands us the final hidden states and the (vocab-parallel) LM-head weight instead of computing
+logits. We gather sequence-parallel hidden states over TP, keep only loss positions, and compute
+FP32 log-probs and entropy of the generated tokens in chunks with
+`megatron_rl.ops.vocab_parallel_chunked_logprobs` (never a [tokens, vocab] FP32 tensor).
+
+Exact aggregation. Each token's loss is multiplied by `token_weights(...)`, built from
+denominators counted over the WHOLE global batch, so a micro-batch's scalar loss is its share of
+the global aggregate. Megatron is configured (model.py) with calculate_per_token_loss=True and an
+unscaled finalize: the schedule neither divides by the number of micro-batches nor by a token count,
+and DDP sums (not averages) gradients over data-parallel ranks. The gradient is therefore the
+gradient of the sum of all shards' losses = the single-rank aggregate, under any DP / PP /
+micro-batching. Under TP every rank holds the same loss and Megatron's region ops make the
+gradients exact. The router's auxiliary load-balancing loss, if the model family enables one, is
+NOT rescaled this way (it is summed over micro-batches and DP ranks): RL runs use coefficient 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from megatron_rl.trainer.batch import MicroBatch
+from megatron_rl.trainer.parallel import ParallelGroups
+
+# Order of the per-micro-batch sums reduced over data-parallel ranks.
+_STATS = ("loss", "num_loss_tokens", "num_clipped", "ratio", "abs_logp_diff", "entropy",
+          "num_tokens")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LossSettings:
+    kind: str = "cispo"  # cispo | dapo | grpo | gspo
+    aggregation: str = "prompt"  # prompt | sample | token
+    eps_max: float = 5.0
+    eps_low: float | None = None  # None: the kind's default clip range (algorithms)
+    eps_high: float | None = None
+    logprob_chunk_size: int = 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ForwardBackwardResult:
+    """Global (all data-parallel ranks) sums over the step's loss tokens; same on every rank."""
+
+    loss: float
+    num_loss_tokens: int
+    num_clipped: float
+    ratio_sum: float
+    abs_logp_diff_sum: float
+    entropy_sum: float
+    num_tokens: int
+
+
+def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: ParallelGroups,
+                         denominators, settings: LossSettings, *,
+                         forward_only: bool = False) -> ForwardBackwardResult:
+    """Forward (and backward) all micro-batches of this rank through Megatron's schedule."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_step = functools.partial(_forward_step, groups=groups, denominators=denominators,
+                                     settings=settings)
+    first = micro_batches[0]
+    outputs = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
+        num_microbatches=len(micro_batches), seq_length=first.input_ids.shape[1],
+        micro_batch_size=first.input_ids.shape[0], forward_only=forward_only)
+    stats = torch.zeros(len(_STATS), dtype=torch.float64)
+    for out in outputs:  # only the last pipeline stage has outputs
+        stats += out["stats"]
+    torch.distributed.all_reduce(stats, group=groups.dp)
+    if groups.pp_size > 1:
+        torch.distributed.broadcast(stats, src=groups.pipeline_last_rank, group=groups.pp)
+    values = dict(zip(_STATS, stats.tolist()))
+    return ForwardBackwardResult(
+        loss=values["loss"], num_loss_tokens=int(values["num_loss_tokens"]),
+        num_clipped=values["num_clipped"], ratio_sum=values["ratio"],
+        abs_logp_diff_sum=values["abs_logp_diff"], entropy_sum=values["entropy"],
+        num_tokens=int(values["num_tokens"]))
+
+
+def _forward_step(data_iterator, model, *, groups, denominators, settings):
+    micro_batch: MicroBatch = next(data_iterator)
+    head = functools.partial(_fp32_logprob_head, groups=groups, settings=settings)
+    output = model(micro_batch.input_ids, micro_batch.position_ids, None,
+                   padding_mask=micro_batch.padding_mask, output_processor=head,
+                   output_processor_context=micro_batch)
+    return output, functools.partial(_loss, micro_batch, denominators=denominators,
+                                     settings=settings)
+
+
+def _fp32_logprob_head(*, hidden_states, output_layer, output_weight, context: MicroBatch,
+                       groups: ParallelGroups, settings: LossSettings, **_unused):
+    """GPTModel output_processor: FP32 log pi(target) [num_loss_tokens] at the loss positions."""
+    from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                               gather_from_sequence_parallel_region)
+
+    from megatron_rl.ops import vocab_parallel_chunked_logprobs
+
+    # hidden_states: [s/tp, b, h] under sequence parallelism, else [s, b, h]. The region ops'
+    # backward sums the TP ranks' partial hidden-state gradients (each rank holds a vocab shard).
+    if output_layer.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(
+            hidden_states, tensor_parallel_output_grad=True, group=groups.tp)
+    else:
+        hidden = copy_to_tensor_model_parallel_region(hidden_states, group=groups.tp)
+    hidden = hidden.transpose(0, 1)  # [b, s, h]
+    mask = context.loss_mask
+    if not bool(mask.any()):
+        # A padding micro-batch: one position keeps the graph connected; its loss weight is 0.
+        mask = torch.zeros_like(mask)
+        mask[0, 0] = True
+    weight = output_weight if output_weight is not None else output_layer.weight  # [V/tp, h]
+    logp, entropy = vocab_parallel_chunked_logprobs(
+        hidden[mask], weight, context.targets[mask],
+        vocab_start_index=groups.tp_rank * weight.shape[0],
+        group=groups.tp if groups.tp_size > 1 else None,
+        chunk_size=settings.logprob_chunk_size, compute_entropy=True)
+    context.entropy = entropy
+    return logp  # [num_loss_tokens] fp32
+
+
+def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings: LossSettings):
+    """(loss, token count, reduced stats) in Megatron's calculate_per_token_loss convention."""
+    from megatron_rl.algorithms import compute_policy_loss, token_weights
+
+    mask = micro_batch.loss_mask
+    num_loss_tokens = int(mask.sum())
+    stats = torch.zeros(len(_STATS), dtype=torch.float64)
+    stats[_STATS.index("num_tokens")] = micro_batch.num_tokens
+    if num_loss_tokens == 0:
+        loss = logp.sum() * 0.0  # keeps every rank's backward identical in structure
+        return loss, torch.tensor(0, dtype=torch.int), {"stats": stats}
+    sample_index = micro_batch.sample_index[mask]
+    prompt_index = micro_batch.prompt_index[mask]
+    ones = torch.ones_like(sample_index, dtype=torch.bool)
+    out = compute_policy_loss(
+        settings.kind, logp, micro_batch.old_logprobs[mask], micro_batch.advantages[mask],
+        sample_index=sample_index, loss_mask=ones, eps_max=settings.eps_max,
+        eps_low=settings.eps_low, eps_high=settings.eps_high)
+    weights = token_weights(settings.aggregation, ones, sample_index, prompt_index, denominators)
+    loss = (out.token_loss * weights).sum()
+    stats[_STATS.index("loss")] = loss.detach().double()
+    stats[_STATS.index("num_loss_tokens")] = num_loss_tokens
+    stats[_STATS.index("num_clipped")] = out.clipped.sum().double()
+    stats[_STATS.index("ratio")] = out.ratio.detach().double().sum()
+    stats[_STATS.index("abs_logp_diff")] = out.abs_logp_diff.detach().double().sum()
+    if micro_batch.entropy is not None:
+        stats[_STATS.index("entropy")] = micro_batch.entropy.detach().double().sum()
+    return loss, torch.tensor(num_loss_tokens, dtype=torch.int), {"stats": stats}

@@ -1,0 +1,186 @@
+"""`RLTrainer`: one trainer rank's Megatron model, optimizer and RL train step, behind a small API.
+
+Built from `TrainerSettings` (plain fields; `TrainerSettings.from_run_config` reads the sections of
+megatron_rl.config's RunConfig), it starts the process groups for the layout, builds the model from
+the models registry, and exposes `train_step(TrainBatch) -> StepMetrics`,
+`save_checkpoint(dir, extra_state)` and `load_checkpoint(dir)`. A non-finite loss or gradient
+skips the optimizer step (weights, optimizer state and schedule untouched) and is counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from megatron_rl.trainer.batch import (TrainBatch, pack_micro_batches, padding_micro_batch,
+                                       shard_for_data_parallel)
+from megatron_rl.trainer.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
+from megatron_rl.trainer.model import build_model, precision_overrides
+from megatron_rl.trainer.optimizer import OptimizerSettings, build_optimizer
+from megatron_rl.trainer.parallel import ParallelLayout, init_parallel
+from megatron_rl.trainer.step import LossSettings, run_forward_backward
+
+_DTYPE_TO_PRECISION = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerSettings:
+    model_name: str = "llama4"
+    model_size: str = "tiny"
+    layout: ParallelLayout = ParallelLayout()
+    precision: str = "bf16"  # fp32 | bf16
+    fp8_recipe: str | None = None  # None | "delayed" | "current" (Transformer Engine, GPU)
+    use_transformer_engine: bool | None = None  # None: whenever TE is available
+    loss: LossSettings = LossSettings()
+    optimizer: OptimizerSettings = OptimizerSettings()
+    micro_batch_max_tokens: int = 16384
+    seed: int = 1234
+    # TransformerConfig fields on top of the family's (tests: smaller models, aux-loss off, ...).
+    config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_run_config(cls, run, **config_overrides: Any) -> "TrainerSettings":
+        """From a megatron_rl.config RunConfig (sections model, parallelism, algorithm, train,
+        optimizer)."""
+        algorithm, train, optim = run.algorithm, run.train, run.optimizer
+        gspo = algorithm.loss == "gspo"
+        return cls(
+            model_name=run.model.name, model_size=run.model.size,
+            layout=ParallelLayout.from_config(run.parallelism),
+            precision=_DTYPE_TO_PRECISION[run.model.params_dtype],
+            fp8_recipe=run.model.fp8,
+            use_transformer_engine=run.model.use_transformer_engine,
+            loss=LossSettings(
+                kind=algorithm.loss, aggregation=algorithm.aggregation,
+                eps_max=algorithm.eps_max,
+                eps_low=algorithm.gspo_eps_low if gspo else algorithm.eps_low,
+                eps_high=algorithm.gspo_eps_high if gspo else algorithm.eps_high),
+            optimizer=OptimizerSettings(
+                lr=train.lr, lr_warmup_steps=train.lr_warmup_steps,
+                lr_schedule=train.lr_schedule, min_lr=train.min_lr, num_steps=train.num_steps,
+                clip_grad=train.clip_grad, weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                use_distributed_optimizer=optim.use_distributed_optimizer),
+            micro_batch_max_tokens=train.micro_batch_max_tokens, seed=run.seed,
+            config_overrides=config_overrides)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepMetrics:
+    """One optimizer step; token means are over the global batch's loss tokens."""
+
+    step: int  # optimizer steps taken so far (skipped steps do not count)
+    loss: float  # the aggregated RL loss (global)
+    grad_norm: float  # before clipping; NaN when skipped or clipping is off
+    clip_fraction: float  # fraction of loss tokens whose ratio hit a clip / truncation
+    mean_ratio: float  # mean pi_train / pi_gen
+    logp_mismatch: float  # mean |logp_train - logp_gen|
+    entropy: float  # mean policy entropy (FP32 head)
+    num_loss_tokens: int
+    num_tokens: int  # all non-padding positions processed (prompt + completion)
+    num_micro_batches: int  # on this rank
+    learning_rate: float
+    skipped: bool  # non-finite loss or gradient: no update
+    num_skipped_steps: int  # cumulative
+
+
+class RLTrainer:
+    """One trainer rank. Every rank of the trainer world constructs it and calls its methods in
+    the same order (they are collective)."""
+
+    def __init__(self, settings: TrainerSettings, *, family=None):
+        if family is None:
+            from models import get_model_family
+
+            family = get_model_family(settings.model_name)
+        self.settings = settings
+        self.layout = settings.layout
+        self.groups = init_parallel(settings.layout, seed=settings.seed)
+        precision = precision_overrides(
+            settings.precision, fp8_recipe=settings.fp8_recipe,
+            use_transformer_engine=settings.use_transformer_engine)
+        self.model, self.config = build_model(
+            family, settings.model_size, settings.layout, self.groups, precision=precision,
+            use_distributed_optimizer=settings.optimizer.use_distributed_optimizer,
+            config_overrides=settings.config_overrides)
+        self.optimizer, self.scheduler = build_optimizer(
+            [self.model], settings.optimizer, bf16=self.config.bf16,
+            params_dtype=self.config.params_dtype)
+        self.step = 0
+        self.num_skipped_steps = 0
+
+    @property
+    def pad_to_multiple(self) -> int:
+        # Sequence parallelism splits the sequence dimension over TP ranks.
+        return self.groups.tp_size if self.layout.sequence_parallel else 1
+
+    def micro_batches(self, batch: TrainBatch) -> list:
+        """This rank's micro-batches; every data-parallel rank gets the same number."""
+        indices = shard_for_data_parallel(batch, self.groups.dp_rank, self.groups.dp_size)
+        micro_batches = pack_micro_batches(batch, indices,
+                                           max_tokens=self.settings.micro_batch_max_tokens,
+                                           pad_to_multiple=self.pad_to_multiple)
+        count = torch.tensor(len(micro_batches))
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.groups.dp)
+        micro_batches += [padding_micro_batch(self.pad_to_multiple)
+                          for _ in range(int(count) - len(micro_batches))]
+        return micro_batches
+
+    def train_step(self, batch: TrainBatch) -> StepMetrics:
+        from megatron_rl.algorithms import AggregationDenominators
+
+        denominators = AggregationDenominators.from_sample_token_counts(
+            batch.sample_num_loss_tokens(), batch.prompt_of_sample())
+        micro_batches = self.micro_batches(batch)
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        result = run_forward_backward(self.model, micro_batches, self.groups, denominators,
+                                      self.settings.loss)
+        finite = math.isfinite(result.loss) and self._grads_finite()
+        grad_norm = math.nan
+        if finite:
+            # Advance the schedule first: update k (1-based) uses lr * k / warm-up steps.
+            self.scheduler.step(increment=1)
+            _, norm, _ = self.optimizer.step()
+            grad_norm = float(norm) if norm is not None and self.settings.optimizer.clip_grad \
+                else math.nan
+            self.step += 1
+        else:
+            self.num_skipped_steps += 1
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        tokens = max(result.num_loss_tokens, 1)
+        return StepMetrics(
+            step=self.step, loss=result.loss, grad_norm=grad_norm,
+            clip_fraction=result.num_clipped / tokens, mean_ratio=result.ratio_sum / tokens,
+            logp_mismatch=result.abs_logp_diff_sum / tokens, entropy=result.entropy_sum / tokens,
+            num_loss_tokens=result.num_loss_tokens, num_tokens=result.num_tokens,
+            num_micro_batches=len(micro_batches),
+            learning_rate=self.optimizer.param_groups[0]["lr"], skipped=not finite,
+            num_skipped_steps=self.num_skipped_steps)
+
+    def _grads_finite(self) -> bool:
+        """All ranks agree whether any gradient (any bucket, any rank) is NaN or inf."""
+        bad = torch.zeros(1)
+        for buffer in self.model.buffers + self.model.expert_parallel_buffers:
+            if not bool(torch.isfinite(buffer.grad_data).all()):
+                bad.fill_(1)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        return not bool(bad.item())
+
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None) -> None:
+        save_checkpoint(directory, self.model, self.optimizer, self.scheduler, layout=self.layout,
+                        groups=self.groups, step=self.step,
+                        num_skipped_steps=self.num_skipped_steps, extra_state=extra_state)
+
+    def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointState:
+        state = load_checkpoint(directory, self.model, self.optimizer, self.scheduler,
+                                layout=self.layout, groups=self.groups,
+                                load_optimizer=load_optimizer)
+        self.step, self.num_skipped_steps = state.step, state.num_skipped_steps
+        return state

@@ -1,0 +1,128 @@
+"""The Megatron RL trainer across parallel layouts on 4 (and 2) CPU ranks with gloo.
+
+Each launch runs tests/dist/_trainer_worker.py under torchrun with a timeout and its own
+MASTER_PORT; the worker batches many checks per launch and rank 0 reports numbers as JSON, which
+the tests below assert on:
+- parallel invariance: one RL step of the same batch from the same weights at (TP, EP, PP) =
+  (1,1,1) DP4, (2,1,1)+SP DP2, (1,2,1) DP4, (1,1,2) DP2, (2,2,2)+SP DP1 gives the same loss,
+  gradient norm and updated parameters (grad norm catches gradient-scale errors that Adam's
+  scale-free first update would hide);
+- aggregation exactness: the prompt-level CISPO loss and gradient norm equal an independent
+  single-rank reference (plain autograd on the unwrapped GPTModel, full-vocabulary log_softmax in
+  float64, the loss and prompt averaging written out by hand), with uneven completion lengths spread
+  over DP ranks and 1-3 micro-batches;
+- checkpoint resharding: saved at (1,1,1) after one step, resumed at (2,2,2)+SP, steps 2 and 3
+  match the uninterrupted run (step 3 depends on the restored Adam state);
+- the Llama-4 tiny family from models/ at (1,1,1) and (2,2,2)+SP;
+- learning signal (the GRPO loss falls on a fixed batch) and skipping of a non-finite step.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parent / "_trainer_worker.py"
+# Float32 end to end; different layouts sum partial results in different orders.
+REL_TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(scenario: str, num_ranks: int, out_dir: Path, timeout_s: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run",
+           f"--nproc_per_node={num_ranks}", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(WORKER), scenario, str(out_dir)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-6000:])
+    result = json.loads((out_dir / "result.json").read_text())
+    result["wall_s"] = time.monotonic() - start
+    return result
+
+
+@pytest.fixture(scope="module")
+def invariance(tmp_path_factory) -> dict:
+    return _launch("invariance", 4, tmp_path_factory.mktemp("invariance"), timeout_s=480)
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory) -> dict:
+    return _launch("training", 2, tmp_path_factory.mktemp("training"), timeout_s=240)
+
+
+def _close(a: float, b: float, rel: float = REL_TOL) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def test_same_loss_and_grad_norm_at_every_layout(invariance):
+    layouts = invariance["layouts"]
+    reference = layouts["tp1_ep1_pp1"]
+    assert set(layouts) == {"tp1_ep1_pp1", "tp2_sp", "ep2", "pp2", "tp2_ep2_pp2_sp"}
+    for name, got in layouts.items():
+        assert _close(got["loss"], reference["loss"]), (name, got, reference)
+        assert _close(got["grad_norm"], reference["grad_norm"]), (name, got, reference)
+        assert got["num_loss_tokens"] == reference["num_loss_tokens"] == 27
+    # The layouts really differ in data parallelism and micro-batching.
+    assert [layouts[n]["dp_size"] for n in ("tp1_ep1_pp1", "tp2_sp", "pp2", "tp2_ep2_pp2_sp")] \
+        == [4, 2, 2, 1]
+    assert layouts["tp2_ep2_pp2_sp"]["num_micro_batches"] >= 3
+
+
+def test_same_parameter_update_at_every_layout(invariance):
+    for name, diff in invariance["param_diffs"].items():
+        # The update itself is ~lr = 1e-3 per weight; layouts agree to float32 rounding.
+        assert diff["max_abs_update"] > 5e-4, (name, diff)
+        assert diff["max_abs_diff_vs_reference"] < 1e-7, (name, diff)
+
+
+def test_prompt_level_loss_matches_single_rank_reference(invariance):
+    naive = invariance["naive_reference"]
+    for name, got in invariance["layouts"].items():
+        assert _close(got["loss"], naive["loss"]), (name, got, naive)
+        assert _close(got["grad_norm"], naive["grad_norm"]), (name, got, naive)
+
+
+def test_checkpoint_resumes_at_another_layout(invariance):
+    uninterrupted = invariance["layouts"]["tp1_ep1_pp1"]["continued"]
+    resumed = invariance["resumed"]
+    assert resumed["step"] == 1
+    assert resumed["rng_restored"] is False  # per-rank RNG only restores at the same layout
+    assert resumed["extra_state"] == {"sampler": {"epoch": 3, "retired": [1, 5]}}
+    assert all(_close(a, b) for a, b in zip(resumed["losses"], uninterrupted)), \
+        (resumed["losses"], uninterrupted)
+
+
+def test_llama4_tiny_runs_at_tp2_ep2_pp2(invariance):
+    llama = invariance["llama4"]
+    assert _close(llama["tp2_ep2_pp2_sp"]["loss"], llama["tp1_ep1_pp1"]["loss"]), llama
+    assert _close(llama["tp2_ep2_pp2_sp"]["grad_norm"], llama["tp1_ep1_pp1"]["grad_norm"]), llama
+
+
+def test_rl_loss_falls_on_a_fixed_batch(training):
+    losses = training["losses"]
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_non_finite_step_is_skipped_and_counted(training):
+    skip = training["skip"]
+    assert skip["skipped"] is True and skip["loss_is_finite"] is False
+    assert skip["num_skipped_steps"] == 1
+    assert skip["step"] == len(training["losses"])  # the skipped step is not an update
+    assert skip["max_param_change"] == 0.0
+    # Training continues from the unchanged weights.
+    assert training["after_skip_loss"] < training["losses"][-1]
