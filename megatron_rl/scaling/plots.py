@@ -58,7 +58,7 @@ def plot_curves(entries: list[CurvePlot], path: str | os.PathLike, *,
         inside = np.geomspace(lo, fit_max, 200)
         ax.plot(inside, entry.fit.predict(inside), color=color, lw=1.8,
                 label=f"sigmoid A={entry.fit.a:.3f} B={entry.fit.b:.2f} "
-                      f"C_mid={entry.fit.c_mid:,.0f}")
+                      f"C_mid={entry.fit.c_mid:,.4g}")
         if hi > fit_max:
             beyond = np.geomspace(fit_max, hi, 100)
             ax.plot(beyond, entry.fit.predict(beyond), color=color, lw=1.8, ls="--")
