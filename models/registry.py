@@ -64,6 +64,12 @@ class ModelFamily:
             config, pre_process=pre_process, post_process=post_process,
             use_transformer_engine=use_transformer_engine, vp_stage=vp_stage)
 
+    def converter(self) -> ModuleType:
+        """The family's HF <-> Megatron weight mapping, `models.<name>.convert`: weight_groups,
+        hf_text_config_from_dict, megatron_config and build_model from an HF config."""
+        self._impl()  # the family package imports megatron.core: shims first
+        return importlib.import_module(f"{self.module}.convert")
+
     def hf_config(self, size: str) -> dict[str, Any]:
         """The Hugging Face config.json content of `size`."""
         self.check_size(size)

@@ -209,7 +209,11 @@ def transformer_config(size: str, *, use_transformer_engine: bool = False,
 
 
 def model_kwargs(size: str) -> dict[str, Any]:
-    hf = hf_text_config(size)
+    return model_kwargs_from_hf(hf_text_config(size))
+
+
+def model_kwargs_from_hf(hf: Llama4TextConfig) -> dict[str, Any]:
+    """GPTModel keyword arguments of an HF Llama-4 text config (any size, e.g. a converted one)."""
     return dict(
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,
@@ -224,7 +228,11 @@ def model_kwargs(size: str) -> dict[str, Any]:
 
 def rope_inv_freq(size: str) -> torch.Tensor | None:
     """HF's RoPE inverse frequencies [head_dim / 2] when `size` scales RoPE, else None."""
-    hf = hf_text_config(size)
+    return rope_inv_freq_from_hf(hf_text_config(size))
+
+
+def rope_inv_freq_from_hf(hf: Llama4TextConfig) -> torch.Tensor | None:
+    """HF's RoPE inverse frequencies [head_dim / 2] when `hf` scales RoPE, else None."""
     rope_type = hf.rope_parameters.get("rope_type", "default")
     if rope_type == "default":
         return None

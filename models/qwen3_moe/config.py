@@ -118,7 +118,11 @@ def transformer_config(size: str, *, use_transformer_engine: bool = False,
 
 
 def model_kwargs(size: str) -> dict[str, Any]:
-    hf = hf_text_config(size)
+    return model_kwargs_from_hf(hf_text_config(size))
+
+
+def model_kwargs_from_hf(hf: Qwen3MoeConfig) -> dict[str, Any]:
+    """GPTModel keyword arguments of an HF Qwen3-MoE config (any size, e.g. a converted one)."""
     return dict(
         vocab_size=hf.vocab_size,
         max_sequence_length=hf.max_position_embeddings,

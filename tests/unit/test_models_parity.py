@@ -1,13 +1,16 @@
 """Megatron models built from models/ vs transformers' own implementations (the independent
 reference), in fp32 on one CPU rank (gloo, world size 1, via megatron_rl.platform).
 
-Weights are copied HF -> Megatron by the small test-local mapping below (the real converter is a
-later issue). Checked: the Llama-4 attention of a RoPE/chunked layer and of a NoPE/global/
+Weights are copied HF -> Megatron by the families' converters (models/<name>/convert.py) from
+what save_pretrained writes. Checked: the Llama-4 attention of a RoPE/chunked layer and of a NoPE/global/
 temperature-tuned layer on a sequence longer than the chunk (20 tokens, chunk 8, floor_scale 4),
 whole decoder layers (MoE with shared expert and sigmoid top-1 router; dense MLP), and the whole
 tiny models' logits (Llama-4 "tiny" = Scout-like, "tiny_maverick" = dense/MoE interleave without
 q/k norm, Qwen3-MoE "tiny").
 """
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -27,13 +30,6 @@ def megatron_process_group():
     destroy_distributed()
 
 
-def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int) -> torch.Tensor:
-    # Megatron's fused QKV rows: per query group g, [its q heads, k_g, v_g].
-    hidden = q.shape[1]
-    return torch.cat([q.view(num_groups, -1, hidden), k.view(num_groups, -1, hidden),
-                      v.view(num_groups, -1, hidden)], dim=1).reshape(-1, hidden)
-
-
 def _load(model, weights: dict[str, torch.Tensor]) -> None:
     state = model.state_dict()
     params = {name for name, _ in model.named_parameters()}
@@ -44,59 +40,17 @@ def _load(model, weights: dict[str, torch.Tensor]) -> None:
     model.load_state_dict(weights, strict=False)
 
 
-def llama4_hf_to_megatron(hf_state: dict[str, torch.Tensor], hf_config) -> dict[str, torch.Tensor]:
-    out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf_state["model.norm.weight"],
-           "output_layer.weight": hf_state["lm_head.weight"]}
-    for i in range(hf_config.num_hidden_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[mg + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
-        out[mg + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        out[mg + "self_attention.linear_qkv.weight"] = _qkv(
-            hf_state[hf + "self_attn.q_proj.weight"], hf_state[hf + "self_attn.k_proj.weight"],
-            hf_state[hf + "self_attn.v_proj.weight"], hf_config.num_key_value_heads)
-        out[mg + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
-        ff = hf + "feed_forward."
-        if i in hf_config.moe_layers:
-            out[mg + "mlp.router.weight"] = hf_state[ff + "router.weight"]
-            gate_up, down = hf_state[ff + "experts.gate_up_proj"], hf_state[ff + "experts.down_proj"]
-            for e in range(hf_config.num_local_experts):
-                # HF stores [E, H, 2I] / [E, I, H] (x @ W); Megatron nn.Linear layout [out, in].
-                out[mg + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = gate_up[e].t()
-                out[mg + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down[e].t()
-            shared = ff + "shared_expert."
-            out[mg + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
-                [hf_state[shared + "gate_proj.weight"], hf_state[shared + "up_proj.weight"]])
-            out[mg + "mlp.shared_experts.linear_fc2.weight"] = hf_state[shared + "down_proj.weight"]
-        else:
-            out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-                [hf_state[ff + "gate_proj.weight"], hf_state[ff + "up_proj.weight"]])
-            out[mg + "mlp.linear_fc2.weight"] = hf_state[ff + "down_proj.weight"]
-    return out
+def _megatron_weights(family, hf_model, hf_config) -> dict[str, torch.Tensor]:
+    """The HF weights as save_pretrained stores them (Qwen3-MoE: one tensor per expert; fused only
+    in transformers' memory), mapped by the family's converter (models/<name>/convert.py)."""
+    from safetensors.torch import load_file
 
+    from models.convert_common import convert_state_dict
 
-def qwen3_moe_hf_to_megatron(hf_state, hf_config) -> dict[str, torch.Tensor]:
-    out = {"embedding.word_embeddings.weight": hf_state["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf_state["model.norm.weight"],
-           "output_layer.weight": hf_state["lm_head.weight"]}
-    for i in range(hf_config.num_hidden_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[mg + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
-        out[mg + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        out[mg + "self_attention.linear_qkv.weight"] = _qkv(
-            hf_state[hf + "self_attn.q_proj.weight"], hf_state[hf + "self_attn.k_proj.weight"],
-            hf_state[hf + "self_attn.v_proj.weight"], hf_config.num_key_value_heads)
-        out[mg + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
-        out[mg + "self_attention.q_layernorm.weight"] = hf_state[hf + "self_attn.q_norm.weight"]
-        out[mg + "self_attention.k_layernorm.weight"] = hf_state[hf + "self_attn.k_norm.weight"]
-        out[mg + "mlp.router.weight"] = hf_state[hf + "mlp.gate.weight"]
-        for e in range(hf_config.num_experts):
-            # transformers 5 keeps fused experts in nn.Linear layout: [E, 2I, H] and [E, H, I].
-            out[mg + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = \
-                hf_state[hf + "mlp.experts.gate_up_proj"][e]
-            out[mg + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = \
-                hf_state[hf + "mlp.experts.down_proj"][e]
-    return out
+    with tempfile.TemporaryDirectory() as directory:
+        hf_model.save_pretrained(directory)
+        on_disk = load_file(os.path.join(directory, "model.safetensors"))
+    return convert_state_dict(family.converter().weight_groups(hf_config), on_disk, to="megatron")
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -119,14 +73,13 @@ def _pair(family_name: str, size: str, seed: int = 0):
     impl = family._impl()
     hf_config = impl.hf_text_config(size)
     hf_config._attn_implementation = "eager"
-    hf_cls, mapping = ((Llama4ForCausalLM, llama4_hf_to_megatron) if family_name == "llama4"
-                       else (Qwen3MoeForCausalLM, qwen3_moe_hf_to_megatron))
+    hf_cls = Llama4ForCausalLM if family_name == "llama4" else Qwen3MoeForCausalLM
     torch.manual_seed(seed)
     hf_model = hf_cls(hf_config).eval()
     _randomize(hf_model, seed)
     config = family.transformer_config(size)
     model = family.build_model(config, pre_process=True, post_process=True).eval()
-    _load(model, mapping(hf_model.state_dict(), hf_config))
+    _load(model, _megatron_weights(family, hf_model, hf_config))
     return hf_model, model, hf_config
 
 

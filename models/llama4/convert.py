@@ -1,0 +1,146 @@
+"""The Llama-4 text model's HF <-> Megatron weight mapping, and the Megatron model of an HF config.
+
+HF layout (transformers 5.x `Llama4ForCausalLM`; `Llama4ForConditionalGeneration` stores the same
+text weights under "language_model.", its vision tower is not converted): per layer
+`self_attn.{q,k,v,o}_proj`, `input_layernorm`, `post_attention_layernorm`, and a feed-forward that
+is either dense (`feed_forward.{gate,up,down}_proj`) or MoE: `feed_forward.router.weight` [E, H],
+fused experts `feed_forward.experts.gate_up_proj` [E, H, 2I] (x @ W layout, gate columns first)
+and `feed_forward.experts.down_proj` [E, I, H], and the always-on
+`feed_forward.shared_expert.{gate,up,down}_proj`. Megatron (local spec, TP1/EP1/PP1 names): fused
+`linear_qkv` (per KV group: q heads, k, v), `input_layernorm`, `pre_mlp_layernorm`, per-expert
+nn.Linear-layout `mlp.experts.local_experts.{e}.linear_fc{1,2}`, `mlp.shared_experts`, and
+`mlp.linear_fc{1,2}` on dense layers. q/k L2 norms have no weights; RoPE needs no permutation
+(Megatron's interleaved RoPE is HF's complex-pair rotation).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Llama4TextConfig
+
+from models.convert_common import WeightGroup, concatenated, fused_qkv, renamed
+
+HF_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
+_MULTIMODAL = "Llama4ForConditionalGeneration"
+
+
+def hf_text_config_from_dict(config: dict[str, Any]) -> Llama4TextConfig:
+    """The text config inside a config.json of either Llama-4 architecture."""
+    if _MULTIMODAL in config.get("architectures", ()):
+        text = dict(config.get("text_config") or {})
+        if not text:
+            raise ValueError(f"{_MULTIMODAL} config.json has no text_config")
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        return Llama4TextConfig(**text)
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
+    return Llama4TextConfig(**fields)
+
+
+def hf_weight_prefix(config: dict[str, Any]) -> str:
+    """Prefix of the text weights' names on disk."""
+    return "language_model." if _MULTIMODAL in config.get("architectures", ()) else ""
+
+
+def hf_ignored_prefixes(config: dict[str, Any]) -> tuple[str, ...]:
+    """On-disk weights that are not part of the text model (skipped, reported)."""
+    if _MULTIMODAL in config.get("architectures", ()):
+        return ("vision_model.", "multi_modal_projector.")
+    return ()
+
+
+def text_only_hf_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json of the Llama4ForCausalLM that Megatron -> HF writes for `config`."""
+    if _MULTIMODAL not in config.get("architectures", ()):
+        return dict(config)
+    text = hf_text_config_from_dict(config).to_dict()
+    text["architectures"] = ["Llama4ForCausalLM"]
+    return text
+
+
+def weight_groups(hf: Llama4TextConfig, *, prefix: str = "") -> list[WeightGroup]:
+    """The mapping, in checkpoint order: embeddings, layers 0..L-1, final norm, head."""
+    groups = [renamed(f"{prefix}model.embed_tokens.weight", "embedding.word_embeddings.weight")]
+    for layer in range(hf.num_hidden_layers):
+        groups += _layer_groups(hf, layer, prefix)
+    groups.append(renamed(f"{prefix}model.norm.weight", "decoder.final_layernorm.weight"))
+    if not hf.tie_word_embeddings:
+        groups.append(renamed(f"{prefix}lm_head.weight", "output_layer.weight"))
+    return groups
+
+
+def _layer_groups(hf: Llama4TextConfig, layer: int, prefix: str) -> list[WeightGroup]:
+    h, m = f"{prefix}model.layers.{layer}.", f"decoder.layers.{layer}."
+    groups = [
+        renamed(h + "input_layernorm.weight", m + "input_layernorm.weight"),
+        fused_qkv(h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight",
+                  h + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight",
+                  num_attention_heads=hf.num_attention_heads,
+                  num_query_groups=hf.num_key_value_heads),
+        renamed(h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
+        renamed(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
+    ]
+    ff = h + "feed_forward."
+    if layer not in hf.moe_layers:
+        return groups + [
+            concatenated((ff + "gate_proj.weight", ff + "up_proj.weight"),
+                         m + "mlp.linear_fc1.weight"),
+            renamed(ff + "down_proj.weight", m + "mlp.linear_fc2.weight"),
+        ]
+    groups.append(renamed(ff + "router.weight", m + "mlp.router.weight"))
+    experts = m + "mlp.experts.local_experts.{}.linear_fc{}.weight"
+    groups.append(_fused_experts(ff + "experts.gate_up_proj", experts, 1, hf.num_local_experts))
+    groups.append(_fused_experts(ff + "experts.down_proj", experts, 2, hf.num_local_experts))
+    shared = ff + "shared_expert."
+    return groups + [
+        concatenated((shared + "gate_proj.weight", shared + "up_proj.weight"),
+                     m + "mlp.shared_experts.linear_fc1.weight"),
+        renamed(shared + "down_proj.weight", m + "mlp.shared_experts.linear_fc2.weight"),
+    ]
+
+
+def _fused_experts(hf_name: str, megatron_pattern: str, fc: int, num_experts: int) -> WeightGroup:
+    # HF [E, in, out] (x @ W) <-> per expert nn.Linear [out, in]: a transpose of each slice.
+    # gate_up's out dim is [gate; up], the same order as Megatron's GLU linear_fc1 rows.
+    names = tuple(megatron_pattern.format(e, fc) for e in range(num_experts))
+
+    def to_megatron(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        fused = hf[hf_name]
+        if fused.shape[0] != num_experts:
+            raise ValueError(f"{hf_name} has {fused.shape[0]} experts, the config says "
+                             f"{num_experts}")
+        return {name: fused[e].t() for e, name in enumerate(names)}
+
+    def to_hf(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {hf_name: torch.stack([mg[name].t() for name in names])}
+
+    return WeightGroup(hf_names=(hf_name,), megatron_names=names, to_megatron=to_megatron,
+                       to_hf=to_hf)
+
+
+def megatron_config(hf: Llama4TextConfig, **overrides: Any):
+    """The Llama4TransformerConfig equivalent to `hf` (overrides: TransformerConfig fields)."""
+    from models.common import make_transformer_config
+    from models.llama4.config import Llama4TransformerConfig, megatron_fields
+
+    architecture = dict(megatron_fields(hf), model_family="llama4")
+    return make_transformer_config(Llama4TransformerConfig, architecture, overrides,
+                                   use_transformer_engine=False)
+
+
+def build_model(hf: Llama4TextConfig, config, *, pre_process: bool = True,
+                post_process: bool = True):
+    """The local-spec GPTModel of `config` (from `megatron_config(hf)`), with HF's RoPE."""
+    from models.common import build_gpt_model
+    from models.llama4.config import model_kwargs_from_hf, rope_inv_freq_from_hf
+    from models.llama4.spec import layer_spec
+
+    spec = layer_spec(config, use_transformer_engine=False)
+    model = build_gpt_model(config, spec, model_kwargs_from_hf(hf), pre_process=pre_process,
+                            post_process=post_process, vp_stage=None)
+    inv_freq = rope_inv_freq_from_hf(hf)
+    if inv_freq is not None:
+        rotary = model.rotary_pos_emb
+        rotary.inv_freq = inv_freq.to(device=rotary.inv_freq.device)
+        rotary.forward.cache_clear()
+    return model

@@ -1,0 +1,172 @@
+"""Checkpoint conversion through files (megatron_rl/convert.py) on one process: HF -> Megatron ->
+HF reproduces every tensor bit-exactly with the same key set (Llama-4 interleave 1 and 2, 4 and 8
+experts, tied head; Qwen3-MoE with a dense layer), `--dtype` casts, multi-shard output with an
+index, the multimodal Llama-4 text part, `--validate`, and the errors users hit: missing and
+unexpected weights named, config/weights mismatch, unsupported architecture, non-empty output.
+Megatron-side parity at TP/EP/PP > 1 is in tests/dist/test_convert_parity.py.
+"""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from megatron_rl import convert
+
+pytestmark = pytest.mark.unit
+
+
+def _tiny_hf(directory, family_name: str, size: str, seed: int = 0, **overrides):
+    """A random transformers model of a registered tiny size (+ HF config overrides), saved."""
+    import models
+    from transformers import Llama4ForCausalLM, Qwen3MoeForCausalLM
+
+    family = models.get_model_family(family_name)
+    config = family.hf_config(size)
+    for derived in ("moe_layers", "no_rope_layers", "layer_types"):  # recomputed from overrides
+        config.pop(derived, None)
+    hf_config = family.converter().hf_text_config_from_dict({**config, **overrides})
+    cls = Llama4ForCausalLM if family_name == "llama4" else Qwen3MoeForCausalLM
+    torch.manual_seed(seed)
+    cls(hf_config).save_pretrained(directory)
+    (directory / "tokenizer_config.json").write_text('{"model_max_length": 256}')
+    return directory
+
+
+def _read_all(directory) -> dict[str, torch.Tensor]:
+    index = directory / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
+             if index.exists() else ["model.safetensors"])
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(directory / file))
+    return tensors
+
+
+CASES = {
+    "llama4_interleave1_4experts": ("llama4", "tiny", {}),
+    "llama4_interleave2_8experts_tied": ("llama4", "tiny_maverick",
+                                         {"num_local_experts": 8, "tie_word_embeddings": True}),
+    "qwen3_moe_with_dense_layer": ("qwen3_moe", "tiny", {"mlp_only_layers": [2]}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_round_trip_is_bit_exact(tmp_path, case):
+    family, size, overrides = CASES[case]
+    source = _tiny_hf(tmp_path / "hf", family, size, **overrides)
+    to_megatron = convert.convert_hf_to_megatron(source, tmp_path / "mg", validate=True,
+                                                 progress=False)
+    assert (tmp_path / "mg" / "metadata.json").is_file()
+    assert (tmp_path / "mg" / "hf" / "tokenizer_config.json").is_file()
+    back = convert.convert_megatron_to_hf(tmp_path / "mg", tmp_path / "back", validate=True,
+                                          progress=False)
+    original, restored = _read_all(source), _read_all(tmp_path / "back")
+    assert sorted(restored) == sorted(original)
+    for name, tensor in original.items():
+        assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor), name
+    assert back.num_tensors == len(original) and to_megatron.num_bytes == back.num_bytes
+    assert json.loads((tmp_path / "back" / "tokenizer_config.json").read_text()) == \
+        {"model_max_length": 256}
+    restored_config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert restored_config["architectures"] == json.loads(
+        (source / "config.json").read_text())["architectures"]
+
+
+def test_dtype_cast_and_multiple_shards(tmp_path):
+    source = _tiny_hf(tmp_path / "hf", "llama4", "tiny_maverick")
+    convert.convert_hf_to_megatron(source, tmp_path / "mg", dtype=torch.bfloat16, progress=False)
+    convert.convert_megatron_to_hf(tmp_path / "mg", tmp_path / "back", max_shard_bytes=100_000,
+                                   validate=True, progress=False)
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    original, restored = _read_all(source), _read_all(tmp_path / "back")
+    assert sorted(restored) == sorted(original)
+    for name, tensor in original.items():
+        assert restored[name].dtype == torch.bfloat16
+        assert torch.equal(restored[name], tensor.to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_multimodal_llama4_converts_its_text_model(tmp_path):
+    # Llama4ForConditionalGeneration stores the text model under "language_model."; the vision
+    # tower is skipped and the way back writes a text-only Llama4ForCausalLM.
+    text = _tiny_hf(tmp_path / "text", "llama4", "tiny")
+    text_config = json.loads((text / "config.json").read_text())
+    multimodal = tmp_path / "mm"
+    multimodal.mkdir()
+    weights = {f"language_model.{n}": t for n, t in _read_all(text).items()}
+    weights["vision_model.patch_embedding.weight"] = torch.ones(4, 3)
+    save_file(weights, multimodal / "model.safetensors")
+    (multimodal / "config.json").write_text(json.dumps(
+        {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+         "text_config": text_config, "vision_config": {}}))
+    report = convert.convert_hf_to_megatron(multimodal, tmp_path / "mg", progress=False)
+    assert report.skipped_hf_tensors == ("vision_model.patch_embedding.weight",)
+    convert.convert_megatron_to_hf(tmp_path / "mg", tmp_path / "back", progress=False)
+    restored, original = _read_all(tmp_path / "back"), _read_all(text)
+    assert sorted(restored) == sorted(original)
+    assert all(torch.equal(restored[n], t) for n, t in original.items())
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["architectures"] == \
+        ["Llama4ForCausalLM"]
+
+
+def _rewrite_weights(directory, change) -> None:
+    weights = load_file(directory / "model.safetensors")
+    change(weights)
+    save_file(weights, directory / "model.safetensors")
+
+
+def test_missing_and_unexpected_weights_are_named(tmp_path):
+    source = _tiny_hf(tmp_path / "hf", "llama4", "tiny")
+
+    def damage(weights):
+        del weights["model.layers.2.feed_forward.router.weight"]
+        weights["model.layers.9.extra.weight"] = torch.zeros(2)
+
+    _rewrite_weights(source, damage)
+    with pytest.raises(convert.ConversionError) as error:
+        convert.convert_hf_to_megatron(source, tmp_path / "mg", progress=False)
+    message = str(error.value)
+    assert "missing" in message and "model.layers.2.feed_forward.router.weight" in message
+    assert "unexpected" in message and "model.layers.9.extra.weight" in message
+    assert not (tmp_path / "mg").exists()  # checked before anything is written
+
+
+def test_config_that_does_not_match_the_weights(tmp_path):
+    source = _tiny_hf(tmp_path / "hf", "llama4", "tiny")
+    config = json.loads((source / "config.json").read_text())
+    config["num_local_experts"] = 8  # the weights have 4 experts
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(convert.ConversionError, match="does not match the weights") as error:
+        convert.convert_hf_to_megatron(source, tmp_path / "mg", progress=False)
+    assert "model.layers.0.feed_forward.experts.gate_up_proj" in str(error.value)
+
+
+def test_unsupported_architecture_lists_supported_ones(tmp_path):
+    source = _tiny_hf(tmp_path / "hf", "qwen3_moe", "tiny")
+    config = json.loads((source / "config.json").read_text())
+    config["architectures"] = ["MixtralForCausalLM"]
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(convert.ConversionError, match="MixtralForCausalLM") as error:
+        convert.convert_hf_to_megatron(source, tmp_path / "mg", progress=False)
+    assert "Llama4ForCausalLM" in str(error.value) and "Qwen3MoeForCausalLM" in str(error.value)
+
+
+def test_cli_refuses_a_non_empty_output_unless_overwrite(tmp_path, capsys):
+    source = _tiny_hf(tmp_path / "hf", "qwen3_moe", "tiny")
+    output = tmp_path / "mg"
+    output.mkdir()
+    (output / "keep.txt").write_text("x")
+    argv = ["hf-to-megatron", str(source), str(output), "--no-progress"]
+    assert convert.main(argv) == 2
+    assert "not empty" in capsys.readouterr().err and (output / "keep.txt").exists()
+    assert convert.main([*argv, "--overwrite", "--validate"]) == 0
+    assert not (output / "keep.txt").exists() and (output / "metadata.json").is_file()
+    assert "validated" in capsys.readouterr().out
+    back = tmp_path / "back"
+    assert convert.main(["megatron-to-hf", str(output), str(back), "--no-progress",
+                         "--dtype", "float16"]) == 0
+    with safe_open(back / "model.safetensors", "pt") as handle:
+        assert handle.get_tensor("model.norm.weight").dtype == torch.float16
