@@ -1,0 +1,106 @@
+"""Reward dispatch by task tag: a registry from task tag (exact, like "math", or a family prefix,
+like "rg/") to a reward function `fn(completion, record) -> RewardResult`, with the record fields
+each one needs. `default_registry` wires math (math-verify), code (sandbox) and reasoning-gym
+procedural tasks with one shared RewardScale.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from megatron_rl.data.records import PromptRecord
+from megatron_rl.data.sources import PROCEDURAL_TASK_PREFIX
+from megatron_rl.rewards.code import CodeReward, CodeRewardConfig
+from megatron_rl.rewards.math import MathVerifier
+from megatron_rl.rewards.procedural import ProceduralReward, ProceduralRewardConfig
+from megatron_rl.rewards.sandbox import Sandbox
+from megatron_rl.rewards.types import RewardResult, RewardScale
+
+RewardFn = Callable[[str, PromptRecord], RewardResult]
+_REQUIRABLE = ("answer", "tests", "metadata")
+
+
+class UnknownTaskError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Entry:
+    fn: RewardFn
+    requires: tuple[str, ...]
+
+
+class RewardRegistry:
+    def __init__(self) -> None:
+        self._exact: dict[str, _Entry] = {}
+        self._families: dict[str, _Entry] = {}
+
+    def register(self, task: str, fn: RewardFn, *, requires: Sequence[str] = ()) -> None:
+        """`task` is an exact tag, or a family prefix ending in "/" ("rg/" matches "rg/gcd")."""
+        unknown = [field for field in requires if field not in _REQUIRABLE]
+        if unknown:
+            raise ValueError(f"requires={list(requires)}: {unknown} are not PromptRecord fields "
+                             f"that can be required; choose from {_REQUIRABLE}")
+        table = self._families if task.endswith("/") else self._exact
+        if task in table:
+            raise ValueError(f"a reward for task {task!r} is already registered")
+        table[task] = _Entry(fn, tuple(requires))
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """Registered tags; families shown as 'prefix/*'."""
+        return tuple(sorted(self._exact) + sorted(f"{p}*" for p in self._families))
+
+    def _entry(self, task: str) -> _Entry:
+        entry = self._exact.get(task)
+        if entry is None:
+            prefix = next((p for p in sorted(self._families, key=len, reverse=True)
+                           if task.startswith(p) and len(task) > len(p)), None)
+            entry = None if prefix is None else self._families[prefix]
+        if entry is None:
+            raise UnknownTaskError(f"no reward function for task {task!r}; registered tasks: "
+                                   f"{list(self.tasks)}. Fix the prompt's 'task' field or "
+                                   "register one with RewardRegistry.register")
+        return entry
+
+    def check(self, records: Sequence[PromptRecord]) -> None:
+        """Fail before training if a record's task is unknown or lacks what its reward needs."""
+        problems = []
+        for record in records:
+            entry = self._entry(record.task)
+            missing = [f for f in entry.requires if not getattr(record, f)]
+            if missing:
+                problems.append(f"{record.prompt_id} (task {record.task!r}) lacks {missing}")
+        if problems:
+            raise ValueError(f"{len(problems)} prompt(s) cannot be graded: {problems[:5]}")
+
+    def score(self, completion: str, record: PromptRecord) -> RewardResult:
+        return self._entry(record.task).fn(completion, record)
+
+    def score_many(self, completions: Sequence[str], records: Sequence[PromptRecord], *,
+                   num_threads: int = 8) -> list[RewardResult]:
+        """Score completion i against records[i], `num_threads` at a time (verifiers wait on
+        worker processes and sandboxes, so threads suffice); results in input order."""
+        if len(completions) != len(records):
+            raise ValueError(f"{len(completions)} completions but {len(records)} records; "
+                             "pass one record per completion")
+        for record in {r.task: r for r in records}.values():
+            self._entry(record.task)  # unknown tags fail before any work starts
+        with ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="reward") as pool:
+            return list(pool.map(self.score, completions, records))
+
+
+def default_registry(*, math_verifier: MathVerifier, sandbox: Sandbox,
+                     scale: RewardScale | None = None) -> RewardRegistry:
+    """Tasks "math", "code" and "rg/<dataset>" with one reward scale (overriding the math
+    verifier's own). The caller owns (and closes) the verifier and the sandbox."""
+    scale = scale or RewardScale()
+    registry = RewardRegistry()
+    registry.register("math", lambda c, r: math_verifier.grade(c, r.answer, scale=scale),
+                      requires=("answer",))
+    code = CodeReward(sandbox, CodeRewardConfig(scale=scale))
+    registry.register("code", lambda c, r: code(c, r.tests), requires=("tests",))
+    procedural = ProceduralReward(ProceduralRewardConfig(scale=scale))
+    registry.register(PROCEDURAL_TASK_PREFIX, procedural, requires=("answer",))
+    return registry

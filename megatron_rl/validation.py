@@ -1,0 +1,96 @@
+"""Validation metrics per task: mean@k pass rates on the held-out set (SCALERL.md section 1: the
+mean over prompts of the fraction of a prompt's k samples that are correct) and mean rewards, one
+value per task plus "all" (the mean over every held-out prompt, each prompt weighing the same),
+and the hand-off of those pass rates to the scaling-curve log (megatron_rl/scaling/log.py).
+
+Pass rates count correct samples (`RewardResult.passed`), not rewards, so they stay in [0, 1]
+whatever the reward scale (e.g. -1 for incorrect).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_rl.data.records import OVERALL_TASK, PromptRecord
+from megatron_rl.rewards.registry import RewardRegistry
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ScoredSample:
+    prompt_id: str
+    task: str
+    reward: float
+    passed: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ValidationMetrics:
+    pass_rate_by_task: dict[str, float]    # mean@k, with OVERALL_TASK ("all")
+    mean_reward_by_task: dict[str, float]  # with OVERALL_TASK
+    num_prompts_by_task: dict[str, int]    # with OVERALL_TASK
+    samples_per_prompt: int
+
+
+def score_samples(registry: RewardRegistry, records: Sequence[PromptRecord],
+                  completions: Sequence[Sequence[str]], *,
+                  num_threads: int = 8) -> list[ScoredSample]:
+    """Grade completions[i][j] (sample j of prompt i) against records[i]."""
+    if len(records) != len(completions):
+        raise ValueError(f"{len(records)} records but {len(completions)} completion groups")
+    flat_records = [r for r, group in zip(records, completions) for _ in group]
+    flat_completions = [c for group in completions for c in group]
+    results = registry.score_many(flat_completions, flat_records, num_threads=num_threads)
+    return [ScoredSample(prompt_id=r.prompt_id, task=r.task, reward=res.reward, passed=res.passed)
+            for r, res in zip(flat_records, results)]
+
+
+def validation_metrics(samples: Sequence[ScoredSample], *,
+                       samples_per_prompt: int | None = None) -> ValidationMetrics:
+    """Per-task mean@k. Every prompt must have the same number of samples k (checked against
+    `samples_per_prompt` when given): mean@k with uneven k would weigh prompts unequally."""
+    if not samples:
+        raise ValueError("no scored samples: validation needs at least one prompt")
+    by_prompt: dict[str, list[ScoredSample]] = defaultdict(list)
+    for sample in samples:
+        by_prompt[sample.prompt_id].append(sample)
+    counts = {len(group) for group in by_prompt.values()}
+    k = samples_per_prompt if samples_per_prompt is not None else max(counts)
+    if counts != {k}:
+        uneven = {pid: len(g) for pid, g in by_prompt.items() if len(g) != k}
+        raise ValueError(f"every prompt needs exactly {k} samples for mean@{k}; these differ: "
+                         f"{dict(list(uneven.items())[:5])}")
+    pass_rates: dict[str, list[float]] = defaultdict(list)
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for prompt_id, group in by_prompt.items():
+        tasks = {s.task for s in group}
+        if len(tasks) != 1:
+            raise ValueError(f"prompt {prompt_id!r} has samples of several tasks {tasks}")
+        for task in (tasks.pop(), OVERALL_TASK):
+            pass_rates[task].append(sum(s.passed for s in group) / k)
+            rewards[task].append(sum(s.reward for s in group) / k)
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    return ValidationMetrics(
+        pass_rate_by_task={task: mean(v) for task, v in pass_rates.items()},
+        mean_reward_by_task={task: mean(v) for task, v in rewards.items()},
+        num_prompts_by_task={task: len(v) for task, v in pass_rates.items()},
+        samples_per_prompt=k)
+
+
+def log_validation(scaling_log: Any, step: int, compute_gpu_hours: float,
+                   metrics: ValidationMetrics, tb_writer: Any = None) -> None:
+    """Append the per-task pass rates to the scaling-curve log (one curve per task plus "all");
+    mean rewards go to TensorBoard only (`val/mean_reward/<task>`). `scaling_log` is a
+    `megatron_rl.scaling.log.ScalingLog` (keep one per run: it checks that steps increase) or a
+    run directory to open one in."""
+    if isinstance(scaling_log, (str, os.PathLike)):
+        from megatron_rl.scaling.log import ScalingLog  # lazily: owned by the scaling package
+
+        scaling_log = ScalingLog(scaling_log, tb_writer)
+    scaling_log.append(step, compute_gpu_hours, metrics.pass_rate_by_task)
+    if tb_writer is not None:
+        for task, value in metrics.mean_reward_by_task.items():
+            tb_writer.add_scalar(f"val/mean_reward/{task}", value, global_step=step)
+        tb_writer.flush()

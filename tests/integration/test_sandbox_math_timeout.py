@@ -1,0 +1,83 @@
+"""Math grading in worker processes: works from any thread (math-verify's own signal-based
+timeout refuses to), the soft timeout interrupts Python-level work, and the hard timeout kills a
+worker stuck in C (a ~30 s big-integer power) and replaces it."""
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import pytest
+
+from megatron_rl.rewards import MathVerifier, MathVerifyConfig, Reason, RewardScale
+
+pytestmark = pytest.mark.integration
+
+
+def _worker_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children()
+            if "megatron_rl.rewards.math_worker" in " ".join(p.cmdline())}
+
+
+def test_math_verify_alone_refuses_threads():
+    from math_verify import parse
+
+    errors = []
+
+    def run():
+        try:
+            parse("$1/2$")  # default parsing_timeout=5 uses signal.alarm
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert errors and "threaded environment" in errors[0]
+
+
+def test_grading_from_many_threads():
+    cases = [(r"</think> $\boxed{\frac{1}{2}}$", "0.5", Reason.CORRECT),
+             (r"</think> $\boxed{0.6}$", "0.5", Reason.WRONG),
+             (r"</think> $\boxed{\{2,1\}}$", r"\{1,2\}", Reason.CORRECT),
+             (r"</think> no idea", "3", Reason.NO_ANSWER),
+             (r"</think> $\boxed{\sqrt{}}$", "3", Reason.PARSE_ERROR)] * 2
+    with MathVerifier(MathVerifyConfig(num_workers=2,
+                                       scale=RewardScale(incorrect_reward=-1.0))) as verifier:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda c: verifier.grade(c[0], c[1]), cases))
+        assert len(_worker_pids()) <= 2
+    assert [r.reason for r in results] == [c[2] for c in cases]
+    assert [r.reward for r in results] == [1.0 if c[2] == Reason.CORRECT else -1.0 for c in cases]
+    assert _worker_pids() == set()
+
+
+def test_soft_timeout_keeps_the_worker():
+    with MathVerifier(MathVerifyConfig(timeout_s=0.5)) as verifier:
+        assert verifier.grade("</think> $3$", "3").reason == Reason.CORRECT
+        workers = _worker_pids()
+        slow = verifier.grade(r"</think> $\boxed{9^{9^{9^{9}}}}$", "1")
+        assert (slow.reason, slow.reward) == (Reason.TIMEOUT, 0.0)
+        assert _worker_pids() == workers  # interrupted in Python: same worker goes on
+        assert verifier.grade("</think> $4$", "4").reason == Reason.CORRECT
+
+
+def test_pathological_power_times_out_and_the_verifier_recovers():
+    # SymPy's 2**(2**30) (tens of seconds, partly inside one C call): a timeout either way.
+    with MathVerifier(MathVerifyConfig(timeout_s=0.5)) as verifier:
+        stuck = verifier.grade(r"</think> $\boxed{2^{2^{30}}}$", "1")
+        assert (stuck.reason, stuck.pass_fraction) == (Reason.TIMEOUT, 0.0)
+        assert verifier.grade(r"</think> $\boxed{\frac{2}{4}}$", "0.5").reason == Reason.CORRECT
+        assert len(_worker_pids()) == 1
+
+
+def test_hard_timeout_kills_an_unresponsive_worker():
+    """A worker that no signal reaches (stopped here; stuck in C or deadlocked in production)
+    is killed after timeout_s + grace and replaced."""
+    with MathVerifier(MathVerifyConfig(timeout_s=0.5)) as verifier:
+        assert verifier.grade("</think> $3$", "3").reason == Reason.CORRECT
+        (worker,) = _worker_pids()
+        psutil.Process(worker).suspend()  # SIGSTOP: its soft timeout can never fire
+        stuck = verifier.grade("</think> $4$", "4")
+        assert stuck.reason == Reason.TIMEOUT and "killed" in stuck.detail
+        assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
+        assert verifier.grade("</think> $5$", "5").reason == Reason.CORRECT
+        assert len(_worker_pids()) == 1 and worker not in _worker_pids()  # a fresh worker
