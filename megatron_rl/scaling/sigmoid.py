@@ -306,5 +306,10 @@ def _bootstrap_intervals(fit: SigmoidFit, config: SigmoidFitConfig, a_grid: np.n
         samples[i] = (a, np.exp(natural[-2]), natural[-1])
     tail = 100.0 * (1.0 - config.confidence) / 2.0
     lo, hi = np.percentile(samples, [tail, 100.0 - tail], axis=0)
+    # The point estimate's A sits on the grid while replicates refit A continuously, and on flat
+    # or saturated data the replicates pile up at a bound: a percentile interval can then miss the
+    # estimate itself, which reads as a bug. Report intervals that always contain it.
+    estimate = np.array([fit.a, fit.b, np.log(fit.c_mid)])
+    lo, hi = np.minimum(lo, estimate), np.maximum(hi, estimate)
     return ((float(lo[0]), float(hi[0])), (float(lo[1]), float(hi[1])),
             (float(np.exp(lo[2])), float(np.exp(hi[2]))))

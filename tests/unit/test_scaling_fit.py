@@ -215,3 +215,16 @@ def test_bad_curves_are_clear_errors():
     with pytest.raises(ValueError, match="no step-0"):
         extrapolation_report(ScalingSeries(run="r", task="all", compute_gpu_hours=compute,
                                            pass_rate=rate), config=NO_CI)
+
+
+
+def test_intervals_contain_the_point_estimate_when_the_run_does_not_learn():
+    # A run that never rises above R0 (as a tiny run with too small a learning rate does): A sits
+    # on the lowest grid value, B at its bound, and the continuous bootstrap replicates all land
+    # just beside the estimate; the reported interval must still contain the estimate.
+    compute = np.array([0.0083, 0.0091, 0.0097, 0.0104, 0.0113, 0.0159, 0.0166, 0.0172, 0.0178,
+                        0.0195])
+    pass_rate = np.clip(0.40 + 0.05 * np.random.default_rng(0).standard_normal(10), 0, 1)
+    fit = fit_sigmoid(compute, pass_rate, r0=0.492, config=SigmoidFitConfig(num_bootstrap=60))
+    for value, (lo, hi) in [(fit.a, fit.a_ci), (fit.b, fit.b_ci), (fit.c_mid, fit.c_mid_ci)]:
+        assert lo <= value <= hi
