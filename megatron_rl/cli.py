@@ -11,11 +11,14 @@ import sys
 
 # subcommand -> (module, one-line help). The module's `main(argv)` parses its own arguments.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megatron_rl.train", "run RL training from a YAML recipe with dotted overrides"),
     "fit": ("megatron_rl.scaling.cli", "fit compute-scaling curves to validation logs"),
     "cost": ("megatron_rl.scaling.cost", "estimate GPU-hours and the generator:trainer split"),
     "convert": ("megatron_rl.convert", "convert checkpoints between HF and Megatron"),
-    "eval": ("megatron_rl.evaluate", "evaluate a checkpoint on a held-out set"),
+}
+# Named in DESIGN.md but not built yet: say so instead of failing on a missing module.
+PLANNED: dict[str, str] = {
+    "train": "the RL driver arrives with the Pipeline-RL loop; `make demo` runs the tiny CPU run",
+    "eval": "checkpoint evaluation arrives with the RL driver",
 }
 
 
@@ -33,19 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     name, rest = argv[0], argv[1:]
+    if name in PLANNED:
+        print(f"megatron-rl {name}: not available yet: {PLANNED[name]}", file=sys.stderr)
+        return 2
     if name not in SUBCOMMANDS:
         print(f"megatron-rl: unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
         return 2
-    module_name = SUBCOMMANDS[name][0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and module_name.startswith(err.name):
-            print(f"megatron-rl {name}: not available in this build ({module_name} is missing)",
-                  file=sys.stderr)
-            return 2
-        raise
+    module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
 
 
