@@ -1,0 +1,157 @@
+"""Weight-sync throughput: a full trainer -> generator sync vs a raw torch.distributed broadcast
+of the same number of bytes, measured in the same run.
+
+Setup: a Llama-3-style HF model of a few hundred MB (fp32) served by one SGLang CPU server; a
+2-rank Megatron trainer (TP2, torchrun) built from the same HF config. The full sync gathers the TP
+shards, converts names and layouts with the mapping, packs buckets and broadcasts them over the
+gloo weight-update group to the server, which loads them. The baseline broadcasts the same bytes,
+in the same bucket sizes, from trainer rank 0 to trainer rank 1 over gloo (one sender, one
+receiver, loopback: the same transport without gather, conversion or loading). Prints, per bucket
+size, the sync's bytes/s, the baseline's, their ratio, and the sync's time split.
+
+Run: .venv/bin/python benchmarks/weight_sync.py [--hidden 1024 --layers 6 --buckets 64,256]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the tiny-family helpers
+
+
+def save_model(directory: Path, hidden: int, layers: int, vocab: int) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                         num_key_value_heads=hidden // 128, head_dim=64,
+                         max_position_embeddings=512, tie_word_embeddings=False,
+                         initializer_range=0.02)
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(directory)
+    return num_params * 4
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    from _hf_families import family_for
+
+    from megatron_rl.rollout import SGLangGenerator
+    from megatron_rl.trainer import (OptimizerSettings, ParallelLayout, RLTrainer,
+                                     TrainerSettings)
+    from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
+
+    family = family_for(args.model_dir)
+    trainer = RLTrainer(TrainerSettings(
+        model_name="bench", model_size="-", precision="fp32",
+        layout=ParallelLayout(tensor_model_parallel_size=2),
+        optimizer=OptimizerSettings(use_distributed_optimizer=False)), family=family)
+    generator = SGLangGenerator(args.url, request_timeout_s=600)
+    rows = []
+    for bucket_mb in [int(b) for b in args.buckets.split(",")]:
+        sync = WeightSync(trainer.model, family.weight_groups(), [generator],
+                          WeightSyncSettings(bucket_bytes=bucket_mb * 2**20, timeout_s=600,
+                                             pause_mode=None),
+                          hf_vocab_size=family.hf_config.vocab_size)
+        sync.sync()  # warm-up: group creation, first-touch allocations
+        report = sync.sync()
+        num_bytes = torch.tensor([report.num_bytes])
+        dist.broadcast(num_bytes, src=0)
+        raw_s = raw_broadcast_seconds(int(num_bytes), bucket_mb * 2**20)
+        if dist.get_rank() == 0:
+            rows.append(dict(bucket_mb=bucket_mb, num_bytes=report.num_bytes,
+                             num_buckets=report.num_buckets, sync_s=report.seconds,
+                             raw_s=raw_s, gather_s=report.gather_s, convert_s=report.convert_s,
+                             transfer_s=report.transfer_s, load_s=report.load_s))
+        sync.close()
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(rows))
+    dist.barrier()
+
+
+def raw_broadcast_seconds(num_bytes: int, bucket_bytes: int) -> float:
+    """Broadcast `num_bytes` from rank 0 to rank 1 (gloo, the trainer world) in buckets."""
+    import torch.distributed as dist
+
+    buffer = torch.empty(min(bucket_bytes, num_bytes), dtype=torch.uint8)
+    dist.barrier()
+    start = time.perf_counter()
+    sent = 0
+    while sent < num_bytes:
+        size = min(bucket_bytes, num_bytes - sent)
+        dist.broadcast(buffer[:size], src=0)
+        sent += size
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--buckets", default="64,256", help="bucket sizes in MiB")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from megatron_rl.rollout import SGLangGenerator, SGLangServerSettings
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        model_bytes = save_model(model_dir, args.hidden, args.layers, args.vocab)
+        print(f"model: {model_bytes / 2**20:.0f} MiB fp32 (hidden {args.hidden}, "
+              f"{args.layers} layers, vocab {args.vocab})", flush=True)
+        generator = SGLangGenerator.launch(SGLangServerSettings(
+            model_path=str(model_dir), dtype="float32", mem_fraction_static=0.2,
+            max_total_tokens=2048, startup_timeout_s=600, log_path=str(Path(tmp) / "sglang.log")))
+        try:
+            out = Path(tmp) / "rows.json"
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+            subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                            "2", "--master-port", "29741", __file__, "--worker", "--model-dir",
+                            str(model_dir), "--url", generator.url, "--out", str(out),
+                            "--buckets", args.buckets], check=True, env=env, cwd=ROOT,
+                           timeout=1200)
+            rows = json.loads(out.read_text())
+        finally:
+            generator.shutdown()
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="weight sync vs raw gloo broadcast of the same bytes (same run)")
+    for column in ("bucket MiB", "MiB", "buckets", "sync MiB/s", "raw MiB/s", "ratio",
+                   "gather s", "convert s", "transfer s", "load s", "sync s"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        mib = row["num_bytes"] / 2**20
+        table.add_row(str(row["bucket_mb"]), f"{mib:.0f}", str(row["num_buckets"]),
+                      f"{mib / row['sync_s']:.0f}", f"{mib / row['raw_s']:.0f}",
+                      f"{row['raw_s'] / row['sync_s']:.2f}x", f"{row['gather_s']:.2f}",
+                      f"{row['convert_s']:.2f}", f"{row['transfer_s']:.2f}",
+                      f"{row['load_s']:.2f}", f"{row['sync_s']:.2f}")
+    Console(width=160).print(table)
+
+
+if __name__ == "__main__":
+    main()

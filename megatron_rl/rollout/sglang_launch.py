@@ -1,0 +1,24 @@
+"""The entry point of an SGLang server process: `python -m megatron_rl.rollout.sglang_launch
+<SGLang server arguments>`.
+
+The module body applies megatron_rl.platform.sglang_cpu's fixes (a no-op with CUDA) before SGLang
+is imported; SGLang starts its scheduler and detokenizer with multiprocessing's spawn, which
+re-imports this module (as `__mp_main__`) in each child, so every process of the server gets the
+same fixes. The `__main__` guard keeps the children from launching servers of their own.
+"""
+from megatron_rl.platform.sglang_cpu import apply_sglang_cpu_fixes
+
+apply_sglang_cpu_fixes()
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    from sglang.launch_server import run_server
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    try:
+        run_server(prepare_server_args(sys.argv[1:]))
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)

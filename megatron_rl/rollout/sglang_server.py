@@ -1,0 +1,449 @@
+"""SGLang generators: launch a server as a subprocess, wait until it is healthy, and talk to it
+over HTTP (token ids in, token ids + log-probs out; the server runs with skip_tokenizer_init, so
+nothing is detokenised and retokenised).
+
+`SGLangServerSettings` maps our rollout configuration onto SGLang's own server arguments (tp_size,
+ep_size, dtype, mem_fraction_static, enable_fp32_lm_head (on by default, SCALERL.md section 6),
+attention_backend, ...). `SGLangServer.launch(settings)` starts `python -m
+megatron_rl.rollout.sglang_launch <args>` (which applies megatron_rl.platform.sglang_cpu's fixes on
+a CPU-only machine, so the same code path runs here and on GPU) in its own process group and waits
+for /health with a timeout, failing early with the server's log tail if the process exits.
+`SGLangGenerator` implements the Generator interface over HTTP: every call has a timeout; calls
+that cannot have reached the server (connection refused) are retried with exponential backoff;
+errors carry the server's own message; a server whose process exited or that no longer answers is
+reported as GeneratorDeadError instead of being waited on.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_rl.rollout.generator import Generator
+from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, GeneratorError,
+                                       SamplingParams, TensorSpec, WeightUpdateGroup)
+
+_PAUSE_MODES = ("in_place", "retract", "abort")
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SGLangServerSettings:
+    """One SGLang server. Field names are SGLang's server arguments where they exist."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int | None = None  # None: a free port
+    tp_size: int = 1
+    ep_size: int = 1
+    dtype: str = "auto"
+    mem_fraction_static: float | None = None
+    enable_fp32_lm_head: bool = True  # ScaleRL: FP32 logits on the generator too
+    attention_backend: str | None = None  # None: SGLang's default (torch_native on CPU)
+    device: str | None = None  # None: cuda when available, else cpu
+    max_total_tokens: int | None = None
+    context_length: int | None = None
+    random_seed: int = 0
+    extra_args: tuple[str, ...] = ()  # further SGLang CLI arguments, verbatim
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 300.0
+    max_retries: int = 3
+    log_path: str | None = None  # None: a temporary file
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"tp_size {self.tp_size} / ep_size {self.ep_size}: both must be >= 1 "
+                             "and ep_size must divide tp_size")
+        if not Path(self.model_path).exists():
+            raise FileNotFoundError(f"model_path {self.model_path} does not exist: point it at an "
+                                    "HF model folder (config.json + *.safetensors)")
+
+    @classmethod
+    def from_rollout_config(cls, rollout, model_path: str, **fields) -> "SGLangServerSettings":
+        """From megatron_rl.config's RolloutConfig (tp_size, ep_size, dtype, ...)."""
+        return cls(model_path=model_path, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
+                   dtype=rollout.dtype, mem_fraction_static=rollout.mem_fraction_static,
+                   enable_fp32_lm_head=rollout.enable_fp32_lm_head,
+                   attention_backend=rollout.attention_backend, **fields)
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device is not None:
+            return self.device
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def server_args(self, port: int) -> list[str]:
+        """SGLang's command-line arguments for this server."""
+        device = self.resolved_device
+        args = ["--model-path", self.model_path, "--host", self.host, "--port", str(port),
+                "--tp-size", str(self.tp_size), "--ep-size", str(self.ep_size),
+                "--dtype", self.dtype, "--device", device, "--random-seed", str(self.random_seed),
+                "--skip-tokenizer-init", "--skip-server-warmup", "--weight-version", "0"]
+        if self.enable_fp32_lm_head:
+            args.append("--enable-fp32-lm-head")
+        attention_backend = self.attention_backend or ("torch_native" if device == "cpu" else None)
+        if attention_backend is not None:
+            args += ["--attention-backend", attention_backend]
+        if device == "cpu":
+            args.append("--disable-cuda-graph")  # no CUDA graphs without CUDA
+        for flag, value in (("--mem-fraction-static", self.mem_fraction_static),
+                            ("--max-total-tokens", self.max_total_tokens),
+                            ("--context-length", self.context_length)):
+            if value is not None:
+                args += [flag, str(value)]
+        return args + list(self.extra_args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _log_tail(path: str | None, num_lines: int = 25) -> str:
+    if path is None or not os.path.exists(path):
+        return "(no server log)"
+    lines = Path(path).read_text(errors="replace").splitlines()
+    return "\n".join(lines[-num_lines:])
+
+
+class SGLangServer:
+    """An SGLang server subprocess (its own process group: shutdown ends all its processes)."""
+
+    def __init__(self, settings: SGLangServerSettings, process: subprocess.Popen, port: int,
+                 log_path: str):
+        self.settings = settings
+        self.process = process
+        self.port = port
+        self.log_path = log_path
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.port}"
+
+    @classmethod
+    def launch(cls, settings: SGLangServerSettings, *, wait: bool = True) -> "SGLangServer":
+        from megatron_rl.platform.sglang_cpu import sglang_cpu_environment
+
+        port = settings.port or free_port(settings.host)
+        log_path = settings.log_path or tempfile.mkstemp(prefix="sglang_", suffix=".log")[1]
+        env = dict(os.environ)
+        if settings.resolved_device == "cpu":
+            env.update(sglang_cpu_environment())
+        command = [sys.executable, "-m", "megatron_rl.rollout.sglang_launch",
+                   *settings.server_args(port)]
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       cwd=str(Path(__file__).resolve().parents[2]),
+                                       start_new_session=True)
+        server = cls(settings, process, port, log_path)
+        if wait:
+            try:
+                server.wait_until_healthy()
+            except BaseException:
+                server.shutdown()
+                raise
+        return server
+
+    def exit_error(self) -> GeneratorDeadError | None:
+        """The error describing an exited server process, or None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        return GeneratorDeadError(f"SGLang server {self.url} exited with code {code}; last log "
+                                  f"lines ({self.log_path}):\n{_log_tail(self.log_path)}")
+
+    def wait_until_healthy(self, timeout_s: float | None = None) -> None:
+        wait_for_health(self.url, timeout_s or self.settings.startup_timeout_s,
+                        exit_error=self.exit_error, log_path=self.log_path)
+
+    def shutdown(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL if it lingers."""
+        if self.process.poll() is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=timeout_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def wait_for_health(url: str, timeout_s: float, *, exit_error=lambda: None,
+                    log_path: str | None = None, poll_s: float = 0.5) -> None:
+    """Poll GET {url}/health until it answers 200; raise GeneratorDeadError as soon as
+    `exit_error()` reports an exited process, GeneratorError after `timeout_s`."""
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        error = exit_error()
+        if error is not None:
+            raise error
+        try:
+            response = requests.get(f"{url}/health", timeout=5)
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code}: {response.text[:200]}"
+        except requests.RequestException as exc:
+            last = f"{type(exc).__name__}"
+        time.sleep(poll_s)
+    raise GeneratorError(f"SGLang server {url} not healthy after {timeout_s:.0f} s ({last}); "
+                         f"last log lines ({log_path}):\n{_log_tail(log_path)}")
+
+
+class SGLangGenerator(Generator):
+    """The Generator interface over one SGLang server's HTTP API."""
+
+    def __init__(self, url: str, *, num_ranks: int = 1, server: SGLangServer | None = None,
+                 request_timeout_s: float = 300.0, max_retries: int = 3,
+                 backoff_s: float = 0.5):
+        self.url = url.rstrip("/")
+        self.server = server
+        self._num_ranks = num_ranks
+        self.request_timeout_s = request_timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._weight_version = 0
+
+    @classmethod
+    def launch(cls, settings: SGLangServerSettings) -> "SGLangGenerator":
+        server = SGLangServer.launch(settings)
+        return cls(server.url, num_ranks=settings.tp_size, server=server,
+                   request_timeout_s=settings.request_timeout_s, max_retries=settings.max_retries)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+
+    @property
+    def num_ranks(self) -> int:
+        return self._num_ranks
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _request(self, method: str, path: str, payload: dict | None = None, *,
+                 timeout_s: float | None = None, retry: bool = True):
+        """One HTTP call; JSON answer (or text). Raises GeneratorDeadError / GeneratorError."""
+        import requests
+
+        timeout = timeout_s or self.request_timeout_s
+        attempts = self.max_retries + 1 if retry else 1
+        for attempt in range(attempts):
+            self._raise_if_exited()
+            try:
+                response = requests.request(method, f"{self.url}{path}", json=payload,
+                                            timeout=timeout)
+            except requests.ConnectionError as exc:
+                # Refused / reset before an answer: the server is down or not up yet.
+                if attempt + 1 < attempts:
+                    time.sleep(self.backoff_s * 2 ** attempt)
+                    continue
+                self._raise_if_exited()
+                raise GeneratorDeadError(
+                    f"SGLang server {self.url} does not answer {method} {path} after {attempts} "
+                    f"attempt(s): {exc.__class__.__name__}: {exc}") from None
+            except requests.Timeout:
+                self._raise_if_exited()
+                raise GeneratorError(f"SGLang server {self.url}: {method} {path} timed out after "
+                                     f"{timeout:.0f} s") from None
+            if response.status_code >= 400:
+                raise GeneratorError(f"SGLang server {self.url}: {method} {path} failed with HTTP "
+                                     f"{response.status_code}: {_server_message(response)}")
+            try:
+                return response.json()
+            except ValueError:
+                return response.text
+        raise AssertionError("unreachable")
+
+    def _raise_if_exited(self) -> None:
+        if self.server is not None:
+            error = self.server.exit_error()
+            if error is not None:
+                raise error
+
+    def _post_checked(self, path: str, payload: dict, **kwargs) -> dict:
+        """POST to an endpoint answering {"success": bool, "message": str}."""
+        answer = self._request("POST", path, payload, **kwargs)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise GeneratorError(f"SGLang server {self.url}: {path} failed: "
+                                 f"{answer.get('message')}")
+        return answer
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams) -> list[GenerationResult]:
+        if not prompts:
+            return []
+        items = [(p, k) for p in range(len(prompts)) for k in range(params.num_samples)]
+        sampling = []
+        for p, k in items:
+            item = params.to_sglang()
+            if params.seed is not None:
+                item["sampling_seed"] = params.seed + p * params.num_samples + k
+            sampling.append(item)
+        payload = {"input_ids": [list(map(int, prompts[p])) for p, _ in items],
+                   "sampling_params": sampling, "return_logprob": True}
+        outputs = self._request("POST", "/generate", payload)
+        if not isinstance(outputs, list) or len(outputs) != len(items):
+            raise GeneratorError(f"SGLang server {self.url}: /generate returned "
+                                 f"{type(outputs).__name__} for {len(items)} requests")
+        return [_generation_result(out, prompts[p], p, k) for (p, k), out in zip(items, outputs)]
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        if any(len(seq) < 2 for seq in sequences):
+            raise ValueError("score needs sequences of at least 2 tokens")
+        payload = {"input_ids": [list(map(int, seq)) for seq in sequences],
+                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+                   "return_logprob": True, "logprob_start_len": 0}
+        outputs = self._request("POST", "/generate", payload)
+        scores = []
+        for seq, out in zip(sequences, outputs):
+            entries = out["meta_info"]["input_token_logprobs"]  # [logprob, token id, text]
+            if len(entries) != len(seq) or [e[1] for e in entries] != list(seq):
+                raise GeneratorError(f"SGLang server {self.url}: prompt log-probs do not cover "
+                                     f"the {len(seq)} scored tokens")
+            scores.append(torch.tensor([e[0] for e in entries[1:]], dtype=torch.float32))
+        return scores
+
+    # ------------------------------------------------------------------ control
+
+    def pause(self, mode: str = "in_place") -> None:
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {_PAUSE_MODES}")
+        self._request("POST", "/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self._request("POST", "/continue_generation", {})
+
+    def abort(self) -> None:
+        self._request("POST", "/abort_request", {"abort_all": True})
+
+    def flush_cache(self) -> None:
+        self._request("POST", "/flush_cache", None)
+
+    def check_health(self) -> None:
+        self._raise_if_exited()
+        answer = self._request("GET", "/health", timeout_s=10.0, retry=False)
+        del answer  # 200 is all we need
+
+    def server_weight_version(self) -> str:
+        return str(self._request("GET", "/model_info")["weight_version"])
+
+    # ------------------------------------------------------------------ weights
+
+    def begin_weight_update(self) -> None:
+        self._post_checked("/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        self._post_checked("/end_weight_update", {})
+
+    def init_weight_update_group(self, group: WeightUpdateGroup) -> None:
+        self._post_checked("/init_weights_update_group", {
+            "master_address": group.master_address, "master_port": group.master_port,
+            "rank_offset": group.rank_offset, "world_size": group.world_size,
+            "group_name": group.group_name, "backend": group.backend}, retry=False)
+
+    def destroy_weight_update_group(self, group_name: str) -> None:
+        self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weights_from_distributed(self, tensors: Sequence[TensorSpec], *, group_name: str,
+                                        version: int, flush_cache: bool = True) -> None:
+        self._post_checked("/update_weights_from_distributed", {
+            "names": [t.name for t in tensors], "dtypes": [t.dtype_name for t in tensors],
+            "shapes": [list(t.shape) for t in tensors], "group_name": group_name,
+            "flush_cache": flush_cache, "weight_version": str(version),
+            # One broadcast of the bucket's bytes instead of one per tensor.
+            "load_format": "flattened_bucket"}, retry=False)
+        self._weight_version = version
+
+    def update_weights_from_tensors(self, named_tensors: Sequence[tuple[str, torch.Tensor]], *,
+                                    version: int, flush_cache: bool = True) -> None:
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        if not torch.cuda.is_available():
+            # CPU tensors travel through shared memory files (CPU_STACK.md).
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        serialized = MultiprocessingSerializer.serialize(list(named_tensors))
+        encoded = base64.b64encode(serialized).decode("ascii")
+        self._post_checked("/update_weights_from_tensor", {
+            "serialized_named_tensors": [encoded] * self.num_ranks,
+            "flush_cache": flush_cache, "weight_version": str(version)}, retry=False)
+        self._weight_version = version
+
+    def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
+        self._post_checked("/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": str(version)}, retry=False)
+        self._weight_version = version
+
+    def set_weight_version(self, version: int) -> None:
+        """Record a version reached by a completed update (the server holds it since the update)."""
+        self._weight_version = version
+
+
+def _server_message(response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:2000]
+    if isinstance(body, dict):
+        for key in ("message", "error", "detail"):
+            if key in body:
+                value = body[key]
+                return value.get("message", str(value)) if isinstance(value, dict) else str(value)
+    return str(body)[:2000]
+
+
+def _version_of(label: str) -> int:
+    try:
+        return int(label)
+    except ValueError:
+        return 0  # a server started without --weight-version reports "default"
+
+
+def _token_versions(meta: dict, num_tokens: int) -> tuple[int, ...]:
+    spans = meta.get("weight_versions")
+    if not spans:
+        return (_version_of(str(meta.get("weight_version", "0"))),) * num_tokens
+    versions = [0] * num_tokens
+    for span in spans:
+        for t in range(span["start"], min(span["end"], num_tokens)):
+            versions[t] = _version_of(str(span["version"]))
+    return tuple(versions)
+
+
+def _generation_result(out: dict, prompt: Sequence[int], prompt_index: int,
+                       sample_index: int) -> GenerationResult:
+    meta = out["meta_info"]
+    token_ids = tuple(int(t) for t in out["output_ids"])
+    entries = meta.get("output_token_logprobs") or []
+    if [int(e[1]) for e in entries] != list(token_ids):
+        raise GeneratorError("SGLang returned output log-probs that do not match its output ids")
+    finish = meta.get("finish_reason") or {}
+    finish_type = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
+    return GenerationResult(
+        prompt_index=prompt_index, sample_index=sample_index,
+        prompt_token_ids=tuple(int(t) for t in prompt), token_ids=token_ids,
+        logprobs=tuple(float(e[0]) for e in entries),
+        versions=_token_versions(meta, len(token_ids)),
+        finish_reason=_FINISH_REASONS.get(finish_type, finish_type))

@@ -1,0 +1,112 @@
+"""Typed messages between the RL driver and the generators: sampling parameters, generation and
+scoring results (token ids, per-token log-probs of the sampled tokens, per-token policy versions),
+and the tensor metadata of a weight update. Nothing crosses a process boundary as an untyped dict:
+the SGLang client turns these into SGLang's own JSON payloads and back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+
+class GeneratorError(RuntimeError):
+    """A generator call failed; the message carries the server's own error text."""
+
+
+class GeneratorDeadError(GeneratorError):
+    """The generator's server is gone (process exited, or it no longer answers health checks)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How completions are sampled (SGLang's sampling_params names). temperature 0 = greedy."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k cut
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    num_samples: int = 1  # completions per prompt (G of the group)
+    seed: int | None = None  # per-request sampling seed (reproducible sampling)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+
+    def to_sglang(self) -> dict:
+        params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                  "top_p": self.top_p, "top_k": self.top_k, "ignore_eos": self.ignore_eos}
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GenerationResult:
+    """One completion of one prompt."""
+
+    prompt_index: int  # position of the prompt in the request
+    sample_index: int  # 0 .. num_samples - 1
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # the sampled completion
+    logprobs: tuple[float, ...]  # log pi_gen(token_ids[t] | prefix), one per completion token
+    versions: tuple[int, ...]  # the policy (weight) version that produced each completion token
+    finish_reason: str  # "stop" | "length" | "abort"
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(
+                f"completion of prompt {self.prompt_index} has {len(self.token_ids)} tokens, "
+                f"{len(self.logprobs)} log-probs and {len(self.versions)} versions; they must match")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSpec:
+    """Name (HF), dtype and shape of one tensor of a weight-update bucket."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WeightUpdateGroup:
+    """Where the trainer-side sender of one weight-update group listens (it is rank 0 of the
+    group; a generator's TP ranks are ranks rank_offset .. rank_offset + tp_size - 1)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str  # "gloo" on CPU, "nccl" on GPU
+
+
+def logprob_mismatch(train_logprobs: torch.Tensor, generator_logprobs: torch.Tensor) -> float:
+    """Mean |logp_train - logp_gen| per token (SCALERL.md section 6), over two aligned [tokens]
+    vectors; the trainer reports the same quantity per step as StepMetrics.logp_mismatch."""
+    if train_logprobs.shape != generator_logprobs.shape:
+        raise ValueError(f"log-prob vectors differ in shape: {tuple(train_logprobs.shape)} vs "
+                         f"{tuple(generator_logprobs.shape)}")
+    if train_logprobs.numel() == 0:
+        raise ValueError("no tokens to compare")
+    return float((train_logprobs.double() - generator_logprobs.double()).abs().mean())

@@ -1,0 +1,154 @@
+"""Tiny Hugging Face models for the SGLang / weight-sync tests, and "model families" that build the
+trainer's Megatron model from the same HF config.
+
+- `save_tiny_llama(dir)` / `save_tiny_qwen3_moe(dir)`: random transformers models saved with
+  save_pretrained (safetensors), plus a byte-level BPE tokenizer trained locally.
+- `HFConfigFamily(converter, hf_config)`: the models-registry interface (`transformer_config`,
+  `build_model`) over a converter module (`megatron_config`, `build_model`, `weight_groups`);
+  RLTrainer accepts it as `family=`.
+- `llama_converter`: a Llama-3-style (dense, GQA, SwiGLU, RoPE rotate-half) HF <-> Megatron mapping
+  built from models/convert_common.py's pieces; the models registry has no dense Llama family, so
+  it lives here for the tests.
+"""
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 320
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+def _common(**fields) -> dict:
+    # initializer_range 0.1 (not 0.02): peaked next-token distributions, so greedy decoding has
+    # no near-ties that float noise could flip.
+    return dict(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                initializer_range=0.1, rms_norm_eps=1e-6, **fields)
+
+
+def save_tiny_llama(directory: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**_common(intermediate_size=128)))
+    model.save_pretrained(directory)
+    _tokenizer().save_pretrained(directory)
+    return directory
+
+
+def save_tiny_qwen3_moe(directory: Path, seed: int = 0) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**_common(
+        intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        router_aux_loss_coef=0.0)))
+    model.save_pretrained(directory)
+    _tokenizer().save_pretrained(directory)
+    return directory
+
+
+class HFConfigFamily:
+    """The models-registry interface over a converter module and one HF config."""
+
+    def __init__(self, converter, hf_config):
+        self.converter = converter
+        self.hf_config = hf_config
+
+    def transformer_config(self, size, *, use_transformer_engine=False, **overrides):
+        del size, use_transformer_engine
+        return self.converter.megatron_config(self.hf_config, **overrides)
+
+    def build_model(self, config, *, pre_process, post_process, use_transformer_engine=False,
+                    vp_stage=None):
+        return self.converter.build_model(self.hf_config, config, pre_process=pre_process,
+                                          post_process=post_process)
+
+    def weight_groups(self):
+        return self.converter.weight_groups(self.hf_config)
+
+
+def _llama_weight_groups(hf, *, prefix: str = ""):
+    from models.convert_common import concatenated, fused_qkv, renamed
+
+    groups = [renamed(f"{prefix}model.embed_tokens.weight", "embedding.word_embeddings.weight")]
+    for layer in range(hf.num_hidden_layers):
+        h, m = f"{prefix}model.layers.{layer}.", f"decoder.layers.{layer}."
+        groups += [
+            renamed(h + "input_layernorm.weight", m + "input_layernorm.weight"),
+            fused_qkv(h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight",
+                      h + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight",
+                      num_attention_heads=hf.num_attention_heads,
+                      num_query_groups=hf.num_key_value_heads),
+            renamed(h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
+            renamed(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
+            concatenated((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                         m + "mlp.linear_fc1.weight"),
+            renamed(h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"),
+        ]
+    groups.append(renamed(f"{prefix}model.norm.weight", "decoder.final_layernorm.weight"))
+    if not hf.tie_word_embeddings:
+        groups.append(renamed(f"{prefix}lm_head.weight", "output_layer.weight"))
+    return groups
+
+
+def _llama_megatron_config(hf, **overrides):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    fields = dict(
+        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size, num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads, kv_channels=hf.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, init_method_std=hf.initializer_range,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        use_cpu_initialization=True)
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def _llama_build_model(hf, config, *, pre_process=True, post_process=True):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(config, spec, vocab_size=hf.vocab_size,
+                    max_sequence_length=hf.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process, position_embedding_type="rope",
+                    rotary_base=int(hf.rope_parameters["rope_theta"]),
+                    share_embeddings_and_output_weights=hf.tie_word_embeddings)
+
+
+llama_converter = types.SimpleNamespace(weight_groups=_llama_weight_groups,
+                                        megatron_config=_llama_megatron_config,
+                                        build_model=_llama_build_model)
+
+
+def family_for(model_dir: str) -> HFConfigFamily:
+    """The family of a tiny model saved by this module (by its config.json architecture)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_dir)
+    if hf.architectures == ["LlamaForCausalLM"]:
+        return HFConfigFamily(llama_converter, hf)
+    from models import get_model_family
+
+    return HFConfigFamily(get_model_family("qwen3_moe").converter(), hf)

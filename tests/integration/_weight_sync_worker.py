@@ -1,0 +1,218 @@
+"""Trainer side of the weight-sync integration tests: one torchrun launch (2 ranks) per model.
+
+Usage: torchrun --nproc-per-node 2 _weight_sync_worker.py MODEL_DIR GENERATOR_URL OUT_JSON LAYOUT
+LAYOUT: "tp2" (dense) or "tp2_ep2" (MoE: TP2 + SP for dense parts, EP2 x ETP1 for experts).
+
+Rank 0 writes the measured values to OUT_JSON; the pytest side asserts on them.
+Steps: trainer FP32 log-probs of fixed sequences vs the generator's before any sync (stale) and
+after sync 1; greedy completions vs transformers on the synced weights; the trainer's
+logp_mismatch metric on generator-sampled completions; a train step changes the weights and sync 2
+makes the generator follow; a sync to a dead server fails on every rank without touching the
+trainer; a sync after that works again.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _hf_families import family_for  # noqa: E402
+
+from megatron_rl.rollout import SamplingParams, SGLangGenerator, logprob_mismatch  # noqa: E402
+from megatron_rl.rollout.sglang_server import free_port  # noqa: E402
+from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
+                                 RLTrainer, TrainBatch, TrainerSettings, pack_micro_batches)
+
+LAYOUTS = {
+    "tp2": ParallelLayout(tensor_model_parallel_size=2),
+    "tp2_ep2": ParallelLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                              expert_tensor_parallel_size=1, sequence_parallel=True),
+}
+SEQUENCES = [[5, 17, 42, 99, 7, 250, 3, 64, 128, 11], [200, 4, 4, 31, 77, 150, 9, 18],
+             [2, 300, 45, 61, 19, 88, 101, 7, 7, 250, 13, 6]]
+PROMPTS = [[5, 17, 42, 99], [200, 4, 31], [2, 300, 45, 61, 19]]
+
+
+def trainer_logprobs(trainer: RLTrainer, sequences) -> list[torch.Tensor]:
+    """The trainer's own FP32 log pi(seq[t] | seq[:t]), t >= 1, through its RL loss head."""
+    from megatron_rl.trainer.step import _fp32_logprob_head
+
+    n = len(sequences)
+    batch = TrainBatch(
+        token_ids=[torch.tensor(s) for s in sequences],
+        loss_mask=[torch.tensor([0.0] + [1.0] * (len(s) - 1)) for s in sequences],
+        old_logprobs=[torch.zeros(len(s)) for s in sequences],
+        advantages=torch.zeros(n), prompt_ids=torch.arange(n), sample_ids=torch.arange(n))
+    head = functools.partial(_fp32_logprob_head, groups=trainer.groups,
+                             settings=trainer.settings.loss)
+    out = [None] * n
+    trainer.model.eval()
+    with torch.no_grad():
+        for i in range(n):  # one sequence per micro-batch: rows map back trivially
+            (mb,) = pack_micro_batches(batch, [i], max_tokens=10**6,
+                                       pad_to_multiple=trainer.pad_to_multiple)
+            logp = trainer.model(mb.input_ids, mb.position_ids, None,
+                                 padding_mask=mb.padding_mask, output_processor=head,
+                                 output_processor_context=mb)
+            out[i] = logp.float().clone()  # [len - 1]
+    return out
+
+
+def full_hf_state_dict(sync) -> dict[str, torch.Tensor]:
+    """The HF tensors of the trainer's current weights, gathered through the same mapping
+    (collective; meaningful on rank 0, single pipeline stage)."""
+    state = {}
+    for group in sync.mapping:
+        state.update(group.to_hf({n: sync.gatherer.get(n) for n in group.megatron_names}))
+    return {k: v.clone() for k, v in state.items()}
+
+
+def transformers_greedy(model_dir: str, state: dict, prompts, max_new_tokens: int):
+    """transformers' greedy completions with `state` (HF on-disk names, loaded through
+    from_pretrained so that transformers applies its own expert fusing)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as directory:
+        shutil.copy(os.path.join(model_dir, "config.json"), directory)
+        save_file({k: v.contiguous() for k, v in state.items()},
+                  os.path.join(directory, "model.safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    outputs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def sampled_batch(results) -> TrainBatch:
+    """A TrainBatch whose old log-probs are the generator's (prompts are 2 samples each)."""
+    ids, masks, old = [], [], []
+    for r in results:
+        prompt, completion = list(r.prompt_token_ids), list(r.token_ids)
+        ids.append(torch.tensor(prompt + completion))
+        masks.append(torch.tensor([0.0] * len(prompt) + [1.0] * len(completion)))
+        old.append(torch.tensor([0.0] * len(prompt) + list(r.logprobs)))
+    n = len(results)
+    advantages = torch.tensor([1.0 if r.sample_index == 0 else -1.0 for r in results])
+    return TrainBatch(token_ids=ids, loss_mask=masks, old_logprobs=old, advantages=advantages,
+                      prompt_ids=torch.tensor([r.prompt_index for r in results]),
+                      sample_ids=torch.arange(n))
+
+
+def max_abs_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def main() -> None:
+    from megatron_rl.weight_sync import WeightSync, WeightSyncError, WeightSyncSettings
+
+    model_dir, url, out_path, layout = sys.argv[1:5]
+    family = family_for(model_dir)
+    trainer = RLTrainer(TrainerSettings(
+        model_name="test", model_size="tiny", layout=LAYOUTS[layout], precision="fp32",
+        loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
+        optimizer=OptimizerSettings(lr=3e-2, lr_warmup_steps=0, clip_grad=0.0),
+        micro_batch_max_tokens=4096, seed=7), family=family)
+    rank = torch.distributed.get_rank()
+    generator = SGLangGenerator(url, request_timeout_s=120, max_retries=2)
+    result: dict = {"layout": layout}
+
+    # Small buckets (16 KiB): a sync takes many buckets, including tensors larger than one.
+    settings = WeightSyncSettings(bucket_bytes=16 * 2**10, timeout_s=120)
+    sync = WeightSync(trainer.model, family.weight_groups(), [generator], settings,
+                      hf_vocab_size=family.hf_config.vocab_size)
+
+    train_logp = trainer_logprobs(trainer, SEQUENCES)
+    if rank == 0:
+        stale = generator.score(SEQUENCES)
+        result["stale_max_diff"] = max_abs_diff(train_logp, stale)
+
+    report = sync.sync()
+    result["sync1"] = {"version": report.version, "num_bytes": report.num_bytes,
+                       "cache_flushed": report.cache_flushed,
+                       "num_buckets": report.num_buckets, "num_tensors": report.num_tensors}
+    hf_state = full_hf_state_dict(sync)
+    if rank == 0:
+        result["generator_version_1"] = generator.weight_version
+        result["server_version_1"] = generator.server_weight_version()
+        gen_logp = generator.score(SEQUENCES)
+        result["synced_max_diff"] = max_abs_diff(train_logp, gen_logp)
+        greedy = generator.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0,
+                                                            ignore_eos=True))
+        result["greedy_generator"] = [list(g.token_ids) for g in greedy]
+        result["greedy_versions"] = [list(g.versions) for g in greedy]
+        result["greedy_transformers"] = transformers_greedy(model_dir, hf_state, PROMPTS, 8)
+        sampled = generator.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                             num_samples=2, seed=3))
+        payload = [(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs),
+                    r.prompt_index, r.sample_index) for r in sampled]
+    else:
+        payload = None
+    shared = [payload]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    from megatron_rl.rollout import GenerationResult
+
+    sampled = [GenerationResult(prompt_index=p, sample_index=k, prompt_token_ids=tuple(pr),
+                                token_ids=tuple(c), logprobs=tuple(lp), versions=(1,) * len(c),
+                                finish_reason="length") for pr, c, lp, p, k in shared[0]]
+    batch = sampled_batch(sampled)
+    # The mismatch metric, independently: trainer per-token log-probs of the sampled tokens.
+    sequences = [list(r.prompt_token_ids) + list(r.token_ids) for r in sampled]
+    per_token = trainer_logprobs(trainer, sequences)
+    train_sampled = torch.cat([lp[len(r.prompt_token_ids) - 1:]
+                               for lp, r in zip(per_token, sampled)])
+    gen_sampled = torch.tensor([x for r in sampled for x in r.logprobs])
+    result["independent_mismatch"] = logprob_mismatch(train_sampled, gen_sampled)
+    metrics = trainer.train_step(batch)  # changes the weights (lr 3e-2)
+    result["step_logp_mismatch"] = metrics.logp_mismatch
+    result["step_skipped"] = metrics.skipped
+
+    train_logp_2 = trainer_logprobs(trainer, SEQUENCES)
+    result["trainer_moved"] = max_abs_diff(train_logp, train_logp_2)
+    if rank == 0:
+        result["before_sync2_max_diff"] = max_abs_diff(train_logp_2, generator.score(SEQUENCES))
+    report = sync.sync()
+    result["sync2_version"] = report.version
+    if rank == 0:
+        result["synced2_max_diff"] = max_abs_diff(train_logp_2, generator.score(SEQUENCES))
+        result["generator_version_2"] = generator.weight_version
+        result["server_version_2"] = generator.server_weight_version()
+
+    # A dead server: nothing listens on this port.
+    dead = SGLangGenerator(f"http://127.0.0.1:{free_port()}", request_timeout_s=10,
+                           max_retries=1, backoff_s=0.1)
+    dead_sync = WeightSync(trainer.model, family.weight_groups(), [dead], settings,
+                           hf_vocab_size=family.hf_config.vocab_size)
+    try:
+        dead_sync.sync()
+        result["dead_error"] = None
+    except WeightSyncError as exc:
+        result["dead_error"] = str(exc)
+    result["dead_sync_version"] = dead_sync.version
+    train_logp_3 = trainer_logprobs(trainer, SEQUENCES)
+    result["trainer_changed_by_dead_sync"] = max_abs_diff(train_logp_2, train_logp_3)
+    report = sync.sync()
+    result["sync3_version"] = report.version
+    if rank == 0:
+        result["synced3_max_diff"] = max_abs_diff(train_logp_3, generator.score(SEQUENCES))
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    torch.distributed.barrier()
+    sync.close()
+    from megatron_rl.platform import destroy_distributed
+
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Real SGLang CPU servers (one tiny Llama-3-style, one tiny Qwen3-MoE; each started once per
+test session and reused) driven through megatron_rl.rollout, and the weight sync from a 2-rank
+Megatron trainer (torchrun subprocess: TP2 for Llama, TP2+SP x EP2 for the MoE).
+
+References: the trainer's own FP32 log-probs (Megatron at TP2, computed without any gather) and
+transformers' greedy decoding of the synced weights. Tolerance: generator and trainer log-probs
+agree to 1e-4 per token (both fp32; measured ~1e-6).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+LOGPROB_TOLERANCE = 1e-4
+
+
+def _launch(model_dir: Path, log_path: Path):
+    from megatron_rl.rollout import SGLangGenerator, SGLangServerSettings
+
+    return SGLangGenerator.launch(SGLangServerSettings(
+        model_path=str(model_dir), dtype="float32", mem_fraction_static=0.05,
+        max_total_tokens=8192, startup_timeout_s=240, request_timeout_s=120,
+        log_path=str(log_path)))
+
+
+@pytest.fixture(scope="session")
+def llama_generator(tmp_path_factory):
+    from _hf_families import save_tiny_llama
+
+    directory = tmp_path_factory.mktemp("tiny_llama")
+    generator = _launch(save_tiny_llama(directory / "model"), directory / "server.log")
+    yield generator
+    generator.shutdown()
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_generator(tmp_path_factory):
+    from _hf_families import save_tiny_qwen3_moe
+
+    directory = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    generator = _launch(save_tiny_qwen3_moe(directory / "model"), directory / "server.log")
+    yield generator
+    generator.shutdown()
+
+
+def _run_worker(generator, layout: str, tmp_path: Path, port: int) -> dict:
+    out = tmp_path / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(port), str(HERE / "_weight_sync_worker.py"),
+               generator.server.settings.model_path, generator.url, str(out), layout]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _check_sync_results(result: dict) -> None:
+    # Before any sync the generator serves its own (different) random weights.
+    assert result["stale_max_diff"] > 0.1
+    sync1 = result["sync1"]
+    assert sync1["version"] == 1 and sync1["num_buckets"] > 1 and sync1["cache_flushed"]
+    assert result["generator_version_1"] == 1 and result["server_version_1"] == "1"
+    # After the sync: the generator's log-probs are the trainer's FP32 log-probs.
+    assert result["synced_max_diff"] < LOGPROB_TOLERANCE
+    # Greedy decoding equals transformers' on the same weights; tokens carry version 1.
+    assert result["greedy_generator"] == result["greedy_transformers"]
+    assert all(v == 1 for versions in result["greedy_versions"] for v in versions)
+    # The mismatch metric in the trainer's step equals the independent per-token mean, ~0.
+    assert result["step_logp_mismatch"] == pytest.approx(result["independent_mismatch"],
+                                                         abs=1e-6)
+    assert result["step_logp_mismatch"] < LOGPROB_TOLERANCE and not result["step_skipped"]
+    # The step moved the trainer; the generator lagged until sync 2 made it follow.
+    assert result["trainer_moved"] > 0.01
+    assert result["before_sync2_max_diff"] > 0.01
+    assert result["sync2_version"] == 2 and result["server_version_2"] == "2"
+    assert result["synced2_max_diff"] < LOGPROB_TOLERANCE
+    # A sync to a dead server: a clear error on every rank, nothing changed, next sync works.
+    assert "does not answer" in result["dead_error"] and "127.0.0.1" in result["dead_error"]
+    assert result["dead_sync_version"] == 0
+    assert result["trainer_changed_by_dead_sync"] == 0.0
+    assert result["sync3_version"] == 3 and result["synced3_max_diff"] < LOGPROB_TOLERANCE
+
+
+def test_weight_sync_llama_tp2(llama_generator, tmp_path):
+    _check_sync_results(_run_worker(llama_generator, "tp2", tmp_path, 29731))
+
+
+def test_weight_sync_qwen3_moe_tp2_ep2(qwen3_moe_generator, tmp_path):
+    _check_sync_results(_run_worker(qwen3_moe_generator, "tp2_ep2", tmp_path, 29732))
+
+
+def test_generate_samples_logprobs_and_score_agree(llama_generator):
+    """n samples per prompt with per-token log-probs; scoring the sampled sequence gives the
+    same log-probs (prefill vs decode of the same weights)."""
+    from megatron_rl.rollout import SamplingParams
+
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    results = llama_generator.generate(prompts, SamplingParams(max_new_tokens=5, num_samples=3,
+                                                               seed=11, ignore_eos=True))
+    assert [(r.prompt_index, r.sample_index) for r in results] == \
+        [(p, k) for p in range(2) for k in range(3)]
+    for r in results:
+        assert r.prompt_token_ids == tuple(prompts[r.prompt_index])
+        assert len(r.token_ids) == 5 and r.finish_reason == "length"
+        assert all(lp <= 0.0 for lp in r.logprobs)
+        assert set(r.versions) == {int(llama_generator.server_weight_version())}
+    (scored,) = llama_generator.score([list(results[0].prompt_token_ids + results[0].token_ids)])
+    torch.testing.assert_close(scored[-5:], torch.tensor(results[0].logprobs), atol=1e-4,
+                               rtol=0)
+
+
+def _generate_in_background(generator, num_prompts: int, max_new_tokens: int):
+    from megatron_rl.rollout import SamplingParams
+
+    outputs, errors = [], []
+
+    def run():
+        try:
+            outputs.extend(generator.generate(
+                [[3, 4, 5 + i] for i in range(num_prompts)],
+                SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)))
+        except Exception as exc:  # noqa: BLE001 (reported by the test)
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outputs, errors
+
+
+def test_pause_in_place_and_continue(llama_generator):
+    """Requests running when the generator pauses in place finish after `resume` (they are not
+    aborted) with all their tokens."""
+    thread, outputs, errors = _generate_in_background(llama_generator, 16, 240)
+    time.sleep(0.3)
+    llama_generator.pause("in_place")
+    try:
+        time.sleep(1.5)
+        assert thread.is_alive()  # paused: neither finished nor aborted
+    finally:
+        llama_generator.resume()
+    thread.join(timeout=120)
+    assert not errors and len(outputs) == 16
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 240 for r in outputs)
+
+
+def test_abort_ends_running_requests(llama_generator):
+    thread, outputs, errors = _generate_in_background(llama_generator, 16, 240)
+    time.sleep(0.3)
+    llama_generator.abort()
+    thread.join(timeout=60)
+    assert not errors and len(outputs) == 16
+    aborted = [r for r in outputs if r.finish_reason == "abort"]
+    assert aborted and all(len(r.token_ids) < 240 for r in aborted)
+
+
+def test_server_error_message_reaches_the_caller(llama_generator):
+    """A weight update outside begin/end: SGLang's own explanation is in our error."""
+    from megatron_rl.rollout import GeneratorError, TensorSpec
+
+    with pytest.raises(GeneratorError, match="begin_weight_update"):
+        llama_generator.update_weights_from_distributed(
+            [TensorSpec(name="model.norm.weight", dtype=torch.float32, shape=(64,))],
+            group_name="none", version=99)
+    assert llama_generator.is_healthy()
