@@ -34,7 +34,7 @@ CASES = (
 
 
 def make_inputs(case: Case) -> dict[str, torch.Tensor]:
-    """Same full inputs on every rank (seeded); targets cover both shards."""
+    """The same full inputs on every rank (seeded)."""
     gen = torch.Generator().manual_seed(1234)
     vocab_size = sum(case.shard_sizes)
     dtype = getattr(torch, case.dtype)
