@@ -87,6 +87,44 @@ def fused_qkv(q_name: str, k_name: str, v_name: str, megatron_name: str, *,
                        to_megatron=to_megatron, to_hf=to_hf)
 
 
+def decoder_weight_groups(hf, layer_groups: Callable[[object, int, str], list[WeightGroup]], *,
+                          prefix: str = "") -> list[WeightGroup]:
+    """A decoder-only model's mapping in checkpoint order: embeddings, layers 0..L-1 (each from
+    `layer_groups(hf, layer, prefix)`), final norm, and the LM head unless tied. `hf` is the
+    family's HF config (num_hidden_layers, tie_word_embeddings)."""
+    groups = [renamed(f"{prefix}model.embed_tokens.weight", "embedding.word_embeddings.weight")]
+    for layer in range(hf.num_hidden_layers):
+        groups += layer_groups(hf, layer, prefix)
+    groups.append(renamed(f"{prefix}model.norm.weight", "decoder.final_layernorm.weight"))
+    if not hf.tie_word_embeddings:
+        groups.append(renamed(f"{prefix}lm_head.weight", "output_layer.weight"))
+    return groups
+
+
+def attention_groups(hf, hf_layer: str, megatron_layer: str, *,
+                     qk_norm: bool = False) -> list[WeightGroup]:
+    """A Llama-style layer's attention block: input norm, fused GQA qkv, (per-head q/k norms),
+    output projection and the post-attention norm (Megatron's pre_mlp_layernorm). `hf_layer` /
+    `megatron_layer` are the layer's name prefixes, ending in a dot."""
+    h, m = hf_layer, megatron_layer
+    groups = [
+        renamed(h + "input_layernorm.weight", m + "input_layernorm.weight"),
+        fused_qkv(h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight",
+                  h + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight",
+                  num_attention_heads=hf.num_attention_heads,
+                  num_query_groups=hf.num_key_value_heads),
+    ]
+    if qk_norm:
+        groups += [
+            renamed(h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
+            renamed(h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
+        ]
+    return groups + [
+        renamed(h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
+        renamed(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
+    ]
+
+
 def iterate_hf_to_megatron(groups: Iterable[WeightGroup],
                            get_hf: TensorGetter) -> Iterator[tuple[str, torch.Tensor]]:
     """(Megatron name, tensor) for every group, pulling each group's HF inputs from `get_hf`."""

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from transformers import Llama4TextConfig
 
-from models.convert_common import WeightGroup, concatenated, fused_qkv, renamed
+from models.convert_common import (WeightGroup, attention_groups, concatenated,
+                                   decoder_weight_groups, renamed)
 
 HF_ARCHITECTURES = ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
 _MULTIMODAL = "Llama4ForConditionalGeneration"
@@ -60,26 +61,12 @@ def text_only_hf_config(config: dict[str, Any]) -> dict[str, Any]:
 
 def weight_groups(hf: Llama4TextConfig, *, prefix: str = "") -> list[WeightGroup]:
     """The mapping, in checkpoint order: embeddings, layers 0..L-1, final norm, head."""
-    groups = [renamed(f"{prefix}model.embed_tokens.weight", "embedding.word_embeddings.weight")]
-    for layer in range(hf.num_hidden_layers):
-        groups += _layer_groups(hf, layer, prefix)
-    groups.append(renamed(f"{prefix}model.norm.weight", "decoder.final_layernorm.weight"))
-    if not hf.tie_word_embeddings:
-        groups.append(renamed(f"{prefix}lm_head.weight", "output_layer.weight"))
-    return groups
+    return decoder_weight_groups(hf, _layer_groups, prefix=prefix)
 
 
 def _layer_groups(hf: Llama4TextConfig, layer: int, prefix: str) -> list[WeightGroup]:
     h, m = f"{prefix}model.layers.{layer}.", f"decoder.layers.{layer}."
-    groups = [
-        renamed(h + "input_layernorm.weight", m + "input_layernorm.weight"),
-        fused_qkv(h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight",
-                  h + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight",
-                  num_attention_heads=hf.num_attention_heads,
-                  num_query_groups=hf.num_key_value_heads),
-        renamed(h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
-        renamed(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
-    ]
+    groups = attention_groups(hf, h, m)
     ff = h + "feed_forward."
     if layer not in hf.moe_layers:
         return groups + [

@@ -15,7 +15,8 @@ from typing import Any
 
 from transformers import Qwen3MoeConfig
 
-from models.convert_common import WeightGroup, concatenated, fused_qkv, renamed
+from models.convert_common import (WeightGroup, attention_groups, concatenated,
+                                   decoder_weight_groups, renamed)
 
 HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -47,28 +48,12 @@ def is_moe_layer(hf: Qwen3MoeConfig, layer: int) -> bool:
 
 def weight_groups(hf: Qwen3MoeConfig, *, prefix: str = "") -> list[WeightGroup]:
     """The mapping, in checkpoint order: embeddings, layers 0..L-1, final norm, head."""
-    groups = [renamed(f"{prefix}model.embed_tokens.weight", "embedding.word_embeddings.weight")]
-    for layer in range(hf.num_hidden_layers):
-        groups += _layer_groups(hf, layer, prefix)
-    groups.append(renamed(f"{prefix}model.norm.weight", "decoder.final_layernorm.weight"))
-    if not hf.tie_word_embeddings:
-        groups.append(renamed(f"{prefix}lm_head.weight", "output_layer.weight"))
-    return groups
+    return decoder_weight_groups(hf, _layer_groups, prefix=prefix)
 
 
 def _layer_groups(hf: Qwen3MoeConfig, layer: int, prefix: str) -> list[WeightGroup]:
     h, m = f"{prefix}model.layers.{layer}.", f"decoder.layers.{layer}."
-    groups = [
-        renamed(h + "input_layernorm.weight", m + "input_layernorm.weight"),
-        fused_qkv(h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight",
-                  h + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight",
-                  num_attention_heads=hf.num_attention_heads,
-                  num_query_groups=hf.num_key_value_heads),
-        renamed(h + "self_attn.q_norm.weight", m + "self_attention.q_layernorm.weight"),
-        renamed(h + "self_attn.k_norm.weight", m + "self_attention.k_layernorm.weight"),
-        renamed(h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
-        renamed(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
-    ]
+    groups = attention_groups(hf, h, m, qk_norm=True)
     if not is_moe_layer(hf, layer):
         return groups + [
             concatenated((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),

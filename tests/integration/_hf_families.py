@@ -86,27 +86,18 @@ class HFConfigFamily:
 
 
 def _llama_weight_groups(hf, *, prefix: str = ""):
-    from models.convert_common import concatenated, fused_qkv, renamed
+    from models.convert_common import (attention_groups, concatenated, decoder_weight_groups,
+                                       renamed)
 
-    groups = [renamed(f"{prefix}model.embed_tokens.weight", "embedding.word_embeddings.weight")]
-    for layer in range(hf.num_hidden_layers):
+    def layer_groups(hf, layer: int, prefix: str):
         h, m = f"{prefix}model.layers.{layer}.", f"decoder.layers.{layer}."
-        groups += [
-            renamed(h + "input_layernorm.weight", m + "input_layernorm.weight"),
-            fused_qkv(h + "self_attn.q_proj.weight", h + "self_attn.k_proj.weight",
-                      h + "self_attn.v_proj.weight", m + "self_attention.linear_qkv.weight",
-                      num_attention_heads=hf.num_attention_heads,
-                      num_query_groups=hf.num_key_value_heads),
-            renamed(h + "self_attn.o_proj.weight", m + "self_attention.linear_proj.weight"),
-            renamed(h + "post_attention_layernorm.weight", m + "pre_mlp_layernorm.weight"),
+        return attention_groups(hf, h, m) + [
             concatenated((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
                          m + "mlp.linear_fc1.weight"),
             renamed(h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"),
         ]
-    groups.append(renamed(f"{prefix}model.norm.weight", "decoder.final_layernorm.weight"))
-    if not hf.tie_word_embeddings:
-        groups.append(renamed(f"{prefix}lm_head.weight", "output_layer.weight"))
-    return groups
+
+    return decoder_weight_groups(hf, layer_groups, prefix=prefix)
 
 
 def _llama_megatron_config(hf, **overrides):
