@@ -74,7 +74,7 @@ def test_optimizer_defaults_are_scalerl():
 
 
 def test_settings_from_run_config():
-    config = pytest.importorskip("megatron_rl.config")
+    from megatron_rl import config
     from megatron_rl.trainer import TrainerSettings
 
     run = config.RunConfig()
