@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 
@@ -18,12 +17,6 @@ from megatron_rl.platform.cpu_compat import activate_cpu_compat
 
 def distributed_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def init_distributed(
@@ -39,22 +32,29 @@ def init_distributed(
     """Start torch.distributed (if not already) and Megatron's model-parallel groups.
 
     Rank, world size and rendezvous come from torchrun's environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT, LOCAL_RANK); without them this process runs alone on a free port.
+    MASTER_ADDR, MASTER_PORT, LOCAL_RANK); without them this process runs alone (world size 1, in-memory store).
     Data parallelism fills what the model-parallel sizes leave of the world size.
     """
     activate_cpu_compat()
     from megatron.core import parallel_state, tensor_parallel
 
     if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(
-            backend=distributed_backend(),
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if "RANK" in os.environ and "MASTER_ADDR" in os.environ:  # launched by torchrun
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.distributed.init_process_group(backend=distributed_backend(), timeout=timeout)
+        else:
+            # Alone: an in-memory store, not a TCP port. A port picked free and bound a moment
+            # later can be taken in between by any outgoing connection (seen: EADDRINUSE in CI).
+            # (RANK / WORLD_SIZE stay unset: a later re-initialisation must not mistake this
+            # process for a torchrun rank.)
+            os.environ.setdefault("LOCAL_RANK", "0")
+            if torch.cuda.is_available():
+                torch.cuda.set_device(0)
+            torch.distributed.init_process_group(
+                backend=distributed_backend(), store=torch.distributed.HashStore(), rank=0,
+                world_size=1, timeout=timeout)
     world_size = torch.distributed.get_world_size()
     model_parallel = (tensor_model_parallel_size * pipeline_model_parallel_size
                       * context_parallel_size)

@@ -15,7 +15,6 @@ give the original weights bit-exactly.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,10 +41,6 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tiny_hf_model(family_name: str, size: str, overrides: dict, seed: int):
@@ -93,8 +88,8 @@ def parity(tmp_path_factory):
     out = root / "logits"
     out.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-           f"--nproc-per-node={WORLD_SIZE}", "--master-addr=127.0.0.1",
-           f"--master-port={_free_port()}", str(WORKER), "--cases", str(spec), "--out", str(out)]
+           f"--nproc-per-node={WORLD_SIZE}", "--standalone", str(WORKER), "--cases", str(spec),
+           "--out", str(out)]
     python_path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO_ROOT)]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,

@@ -1,7 +1,7 @@
 """The Megatron RL trainer across parallel layouts on 4 (and 2) CPU ranks with gloo.
 
-Each launch runs tests/dist/_trainer_worker.py under torchrun with a timeout and its own
-MASTER_PORT; the worker batches many checks per launch and rank 0 reports numbers as JSON, which
+Each launch runs tests/dist/_trainer_worker.py under `torchrun --standalone` (which binds its own
+free port) with a timeout; the worker batches many checks per launch and rank 0 reports numbers as JSON, which
 the tests below assert on:
 - parallel invariance: one RL step of the same batch from the same weights at (TP, EP, PP) =
   (1,1,1) DP4, (2,1,1)+SP DP2, (1,2,1) DP4, (1,1,2) DP2, (2,2,2)+SP DP1 gives the same loss,
@@ -18,7 +18,6 @@ the tests below assert on:
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -34,17 +33,12 @@ WORKER = Path(__file__).parent / "_trainer_worker.py"
 REL_TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _launch(scenario: str, num_ranks: int, out_dir: Path, timeout_s: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run",
-           f"--nproc_per_node={num_ranks}", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(WORKER), scenario, str(out_dir)]
+           f"--nproc_per_node={num_ranks}", "--standalone", str(WORKER), scenario, str(out_dir)]
     start = time.monotonic()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout_s)

@@ -11,7 +11,6 @@ to a few BF16 roundings of the partials' size (abs 2**-6 x max |grad|, rel 2**-6
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +30,6 @@ WORKER = Path(__file__).with_name("_vocab_parallel_worker.py")
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +37,7 @@ def rank_results(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("vocab_parallel")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-        f"--nproc-per-node={WORLD_SIZE}", "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}", str(WORKER), "--out", str(out_dir),
+        f"--nproc-per-node={WORLD_SIZE}", "--standalone", str(WORKER), "--out", str(out_dir),
     ]
     python_path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO_ROOT)]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
