@@ -13,10 +13,6 @@ launch re-saves every model at (1, 2, 2) as the trainer would; converting that b
 give the original weights bit-exactly.
 """
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +23,6 @@ pytestmark = pytest.mark.dist
 WORLD_SIZE = 4
 LAUNCH_TIMEOUT_S = 300
 LAYOUTS = [(1, 1, 1), (2, 2, 1), (1, 2, 2)]  # (TP, EP, PP)
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_convert_worker.py")
 SEQ_LEN, BATCH = 20, 2  # 20 > Llama-4 tiny chunk 8: several attention chunks
 TOLERANCE = 1e-4
@@ -65,7 +60,7 @@ def _tiny_hf_model(family_name: str, size: str, overrides: dict, seed: int):
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
+def parity(tmp_path_factory, torchrun):
     from megatron_rl.convert import convert_hf_to_megatron
 
     root = tmp_path_factory.mktemp("convert_parity")
@@ -87,20 +82,8 @@ def parity(tmp_path_factory):
                                 "resave_layout": list(LAYOUTS[-1])}))
     out = root / "logits"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-           f"--nproc-per-node={WORLD_SIZE}", "--standalone", str(WORKER), "--cases", str(spec),
-           "--out", str(out)]
-    python_path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO_ROOT)]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {LAUNCH_TIMEOUT_S}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{output[-6000:]}"
+    torchrun(WORKER, ["--cases", str(spec), "--out", str(out)], num_ranks=WORLD_SIZE,
+             timeout_s=LAUNCH_TIMEOUT_S)
     return expected, out, root
 
 

@@ -1,8 +1,8 @@
 """The Megatron RL trainer across parallel layouts on 4 (and 2) CPU ranks with gloo.
 
-Each launch runs tests/dist/_trainer_worker.py under `torchrun --standalone` (which binds its own
-free port) with a timeout; the worker batches many checks per launch and rank 0 reports numbers as JSON, which
-the tests below assert on:
+Each launch runs tests/dist/_trainer_worker.py under `torchrun --standalone` (the `torchrun`
+fixture of tests/dist/conftest.py: own free port, timeout); the worker batches many checks per
+launch and rank 0 reports numbers as JSON, which the tests below assert on:
 - parallel invariance: one RL step of the same batch from the same weights at (TP, EP, PP) =
   (1,1,1) DP4, (2,1,1)+SP DP2, (1,2,1) DP4, (1,1,2) DP2, (2,2,2)+SP DP1 gives the same loss,
   gradient norm and updated parameters (grad norm catches gradient-scale errors that Adam's
@@ -17,9 +17,6 @@ the tests below assert on:
 - learning signal (the GRPO loss falls on a fixed batch) and skipping of a non-finite step.
 """
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,35 +24,28 @@ import pytest
 
 pytestmark = pytest.mark.dist
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "_trainer_worker.py"
 # Float32 end to end; different layouts sum partial results in different orders.
 REL_TOL = 1e-5
 
 
-
-
-def _launch(scenario: str, num_ranks: int, out_dir: Path, timeout_s: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run",
-           f"--nproc_per_node={num_ranks}", "--standalone", str(WORKER), scenario, str(out_dir)]
+def _launch(torchrun, scenario: str, num_ranks: int, out_dir: Path, timeout_s: int) -> dict:
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout_s)
-    assert proc.returncode == 0, (proc.stdout[-3000:] + proc.stderr[-6000:])
+    torchrun(WORKER, [scenario, str(out_dir)], num_ranks=num_ranks, timeout_s=timeout_s)
     result = json.loads((out_dir / "result.json").read_text())
     result["wall_s"] = time.monotonic() - start
     return result
 
 
 @pytest.fixture(scope="module")
-def invariance(tmp_path_factory) -> dict:
-    return _launch("invariance", 4, tmp_path_factory.mktemp("invariance"), timeout_s=480)
+def invariance(tmp_path_factory, torchrun) -> dict:
+    return _launch(torchrun, "invariance", 4, tmp_path_factory.mktemp("invariance"),
+                   timeout_s=480)
 
 
 @pytest.fixture(scope="module")
-def training(tmp_path_factory) -> dict:
-    return _launch("training", 2, tmp_path_factory.mktemp("training"), timeout_s=240)
+def training(tmp_path_factory, torchrun) -> dict:
+    return _launch(torchrun, "training", 2, tmp_path_factory.mktemp("training"), timeout_s=240)
 
 
 def _close(a: float, b: float, rel: float = REL_TOL) -> bool:

@@ -9,10 +9,6 @@ each rank rounds its partial hidden gradient to BF16 before the sum, so the summ
 to a few BF16 roundings of the partials' size (abs 2**-6 x max |grad|, rel 2**-6).
 """
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,33 +21,14 @@ pytestmark = pytest.mark.dist
 
 WORLD_SIZE = 2
 LAUNCH_TIMEOUT_S = 240
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_vocab_parallel_worker.py")
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-
-
 @pytest.fixture(scope="module")
-def rank_results(tmp_path_factory) -> list[dict]:
+def rank_results(tmp_path_factory, torchrun) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("vocab_parallel")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-        f"--nproc-per-node={WORLD_SIZE}", "--standalone", str(WORKER), "--out", str(out_dir),
-    ]
-    python_path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO_ROOT)]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,  # its own process group, so a hung launch can be killed whole
-    )
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun timed out after {LAUNCH_TIMEOUT_S}s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{output[-4000:]}"
+    torchrun(WORKER, ["--out", str(out_dir)], num_ranks=WORLD_SIZE, timeout_s=LAUNCH_TIMEOUT_S)
     return [
         torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)
     ]
