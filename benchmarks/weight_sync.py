@@ -74,7 +74,8 @@ def worker(args) -> None:
             rows.append(dict(bucket_mb=bucket_mb, num_bytes=report.num_bytes,
                              num_buckets=report.num_buckets, sync_s=report.seconds,
                              raw_s=raw_s, gather_s=report.gather_s, convert_s=report.convert_s,
-                             transfer_s=report.transfer_s, load_s=report.load_s))
+                             transfer_s=report.transfer_s, load_s=report.load_s,
+                             control_s=report.control_s))
         sync.close()
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(rows))
@@ -141,7 +142,7 @@ def print_table(rows: list[dict]) -> None:
 
     table = Table(title="weight sync vs raw gloo broadcast of the same bytes (same run)")
     for column in ("bucket MiB", "MiB", "buckets", "sync MiB/s", "raw MiB/s", "ratio",
-                   "gather s", "convert s", "transfer s", "load s", "sync s"):
+                   "gather s", "convert s", "transfer s", "load s", "control s", "sync s"):
         table.add_column(column, justify="right")
     for row in rows:
         mib = row["num_bytes"] / 2**20
@@ -149,7 +150,8 @@ def print_table(rows: list[dict]) -> None:
                       f"{mib / row['sync_s']:.0f}", f"{mib / row['raw_s']:.0f}",
                       f"{row['raw_s'] / row['sync_s']:.2f}x", f"{row['gather_s']:.2f}",
                       f"{row['convert_s']:.2f}", f"{row['transfer_s']:.2f}",
-                      f"{row['load_s']:.2f}", f"{row['sync_s']:.2f}")
+                      f"{row['load_s']:.2f}", f"{row['control_s']:.2f}",
+                      f"{row['sync_s']:.2f}")
     Console(width=160).print(table)
 
 

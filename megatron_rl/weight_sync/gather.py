@@ -1,22 +1,38 @@
-"""Megatron shards -> full tensors under TP1/EP1/PP1 names, one pipeline stage at a time.
+"""Megatron shards -> full tensors under TP1/EP1/PP1 names, on one sender per pipeline stage.
 
-Every rank of a pipeline stage holds a shard of that stage's parameters: dense weights split over
+Every rank of a pipeline stage holds shards of that stage's parameters: dense weights split over
 tensor-parallel ranks (`param.partition_dim`), experts split over expert-parallel ranks (and over
-expert-tensor-parallel ranks), layers numbered locally. `StageGatherer.get(global_name)` returns
-the full tensor under the name a TP1/EP1/PP1 GPTModel with the local spec would use (global layer
-and expert numbers: the names models/<family>/convert.py's WeightGroups speak), gathering it with
-collectives over the TP / EP / ETP groups. Every rank of the stage must request the same names in
-the same order (the requests are collective); the one sender of the stage uses the tensors, the
-others drop them. Transformer Engine names (fused layer-norm weights, grouped-GEMM experts) are
-renamed to the local-spec names, so the same mapping serves GPU runs.
+expert-tensor-parallel ranks), layers numbered locally. `StageGatherer.gather(names)` assembles the
+full tensors under the names a TP1/EP1/PP1 GPTModel with the local spec would use (global layer
+and expert numbers: the names models/<family>/convert.py's WeightGroups speak) on the stage's
+sender, and returns {} on every other rank.
+
+How: at construction every rank publishes which shard of which global tensor it holds (one
+`all_gather_object`). For each shard the gatherer picks one source rank (the sender when it holds
+it, else the lowest holder: data-parallel replicas are identical), and a gather is point-to-point:
+each source sends its shards straight to the sender, in the same order on both sides. Ranks that
+are the source of nothing (other data-parallel replicas, ...) take no part at all, and nobody
+receives a shard it does not need (an all-gather would move every shard to every rank).
+
+Zero-copy where the layout allows: a shard that is a contiguous block of the full tensor (split
+along dim 0) is received straight into its place, and that place can be the caller's buffer
+(`into`: a slot of the outgoing bucket). Other shards (split along dim 1) are received into scratch
+memory and copied into place. Full tensors and scratch live in an `Arena` that is reused from
+bucket to bucket and sync to sync (fresh host memory costs a page fault per 4 KiB: for a few
+hundred MB that is more than the copy itself).
 
 Layout fixes that a plain concatenation of shards gets wrong: a gated MLP's linear_fc1 holds
 [gate_r; up_r] per TP rank, so the full [gate; up] is rebuilt from the halves of every shard.
+Transformer Engine names (fused layer-norm weights, grouped-GEMM experts) are renamed to the
+local-spec names, so the same mapping serves GPU runs. Megatron's padded vocabulary rows are
+trimmed to the HF vocabulary.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -29,19 +45,21 @@ _TE_RENAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.w
                "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
                "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
                "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+_VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WeightSyncGroups:
-    """The process groups the weight sync needs on one trainer rank (STYLE.md rule 4)."""
+    """Where this rank sits, as the weight sync needs it (STYLE.md rule 4)."""
 
-    tp: dist.ProcessGroup | None
-    ep: dist.ProcessGroup | None
-    etp: dist.ProcessGroup | None  # expert tensor parallel
-    stage: dist.ProcessGroup  # every rank of this pipeline stage (all DP/TP/EP ranks)
     pp_rank: int
     pp_size: int
+    tp_rank: int
+    tp_size: int
+    etp_rank: int  # expert tensor parallel
+    etp_size: int
     sender_rank: int  # global rank that sends this stage's weights (its lowest rank)
+    stage_ranks: tuple[int, ...]
 
     @property
     def is_sender(self) -> bool:
@@ -53,37 +71,75 @@ class WeightSyncGroups:
         from megatron.core import parallel_state as ps
 
         pp_rank = ps.get_pipeline_model_parallel_rank()
-        pp_size = ps.get_pipeline_model_parallel_world_size()
         ranks_pp = [None] * dist.get_world_size()
         dist.all_gather_object(ranks_pp, pp_rank)
-        stage_group = None
-        for stage in range(pp_size):  # new_group is collective over the whole world
-            members = [r for r, p in enumerate(ranks_pp) if p == stage]
-            group = dist.new_group(members)
-            if stage == pp_rank:
-                stage_group, sender = group, members[0]
-        return cls(tp=ps.get_tensor_model_parallel_group(),
-                   ep=ps.get_expert_model_parallel_group(),
-                   etp=ps.get_expert_tensor_parallel_group(), stage=stage_group,
-                   pp_rank=pp_rank, pp_size=pp_size, sender_rank=sender)
+        stage = tuple(r for r, p in enumerate(ranks_pp) if p == pp_rank)
+        return cls(pp_rank=pp_rank, pp_size=ps.get_pipeline_model_parallel_world_size(),
+                   tp_rank=ps.get_tensor_model_parallel_rank(),
+                   tp_size=ps.get_tensor_model_parallel_world_size(),
+                   etp_rank=ps.get_expert_tensor_parallel_rank(),
+                   etp_size=ps.get_expert_tensor_parallel_world_size(),
+                   sender_rank=stage[0], stage_ranks=stage)
 
 
-def _size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Shard:
+    """Which piece of a global tensor a rank holds."""
+
+    name: str  # TP1/EP1/PP1 name
+    index: int  # shard number along `dim` (0 when not split)
+    count: int  # shards of the full tensor
+    dim: int  # partition dim
+    shape: tuple[int, ...]  # the shard's shape
+    dtype: torch.dtype
+    gated: bool  # [gate_r; up_r] rows of a gated MLP's linear_fc1
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.dim] *= self.count
+        return tuple(shape)
 
 
-def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    if _size(group) == 1:
-        return [tensor]
-    tensor = tensor.contiguous()
-    parts = [torch.empty_like(tensor) for _ in range(_size(group))]
-    dist.all_gather(parts, tensor, group=group)
-    return parts
+class Arena:
+    """Reusable scratch memory: `take` hands out aligned views of one buffer, `reset` frees them
+    all. When a round needs more than the buffer holds, extra chunks are allocated and the next
+    round gets one buffer of the combined size, so steady state allocates nothing."""
+
+    ALIGN = 256
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._chunks: list[torch.Tensor] = []
+        self._offset = 0
+        self._needed = 0
+
+    def take(self, shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
+        shape = tuple(shape)
+        num_bytes = math.prod(shape) * dtype.itemsize
+        size = -(-num_bytes // self.ALIGN) * self.ALIGN
+        self._needed += size
+        if not self._chunks or self._offset + size > self._chunks[-1].numel():
+            self._chunks.append(torch.empty(max(size, self._needed), dtype=torch.uint8,
+                                            device=self.device))
+            self._offset = 0
+        view = self._chunks[-1][self._offset:self._offset + num_bytes]
+        self._offset += size
+        return view.view(dtype).view(shape)
+
+    def reset(self) -> None:
+        if len(self._chunks) > 1:  # grow to one buffer that fits the largest round
+            self._chunks = [torch.empty(self._needed, dtype=torch.uint8, device=self.device)]
+        self._offset = self._needed = 0
+
+    @property
+    def capacity(self) -> int:
+        return sum(chunk.numel() for chunk in self._chunks)
 
 
 def global_parameter_names(gpt_model) -> dict[str, tuple[str, torch.nn.Parameter, int | None]]:
     """{TP1/EP1/PP1 name: (local name, parameter, local expert index or None)} of this rank's
-    pipeline stage; for an expert the key is its name on EP rank 0 (the gatherer maps it)."""
+    pipeline stage; experts carry their global numbers."""
     names = {}
     for local_name, param in gpt_model.named_parameters():
         name, expert = local_name, None
@@ -105,84 +161,141 @@ def global_parameter_names(gpt_model) -> dict[str, tuple[str, torch.nn.Parameter
 
 
 class StageGatherer:
-    """Full tensors of one pipeline stage, gathered on request (see the module docstring)."""
+    """Full tensors of one pipeline stage on its sender (see the module docstring). Building it
+    is collective over the whole trainer world."""
 
     def __init__(self, gpt_model, groups: WeightSyncGroups, *, gated_linear_unit: bool,
                  vocab_size: int | None = None):
         self.groups = groups
-        self.gated_linear_unit = gated_linear_unit
         self.vocab_size = vocab_size  # trim Megatron's padded vocabulary rows to this
-        self.params = global_parameter_names(gpt_model)
-        self._ready: dict[str, torch.Tensor] = {}
-        self._experts_by_layer: dict[int, list[int]] = {}
-        for layer in getattr(gpt_model.decoder, "layers", []):
-            indices = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
-            if indices is not None:
-                self._experts_by_layer[layer.layer_number - 1] = list(indices)
-        self._num_local_experts = {k: len(v) for k, v in self._experts_by_layer.items()}
+        self.rank = dist.get_rank()
+        self.local: dict[str, tuple[torch.Tensor, Shard]] = {}
+        for name, (_, param, expert) in global_parameter_names(gpt_model).items():
+            split = bool(getattr(param, "tensor_model_parallel", False))
+            index, count = ((groups.etp_rank, groups.etp_size) if expert is not None
+                            else (groups.tp_rank, groups.tp_size))
+            if not split or count == 1:
+                index, count = 0, 1
+            dim = int(getattr(param, "partition_dim", 0)) if count > 1 else 0
+            gated = gated_linear_unit and name.endswith(("linear_fc1.weight", "linear_fc1.bias"))
+            if gated and count > 1 and dim != 0:
+                raise ValueError(f"{name}: a gated linear_fc1 split along dim {dim} (expected 0)")
+            self.local[name] = (param.detach(), Shard(
+                name=name, index=index, count=count, dim=dim, shape=tuple(param.shape),
+                dtype=param.dtype, gated=gated and count > 1))
+        self.device = next(iter(self.local.values()))[0].device if self.local else "cpu"
+        published = [None] * dist.get_world_size()
+        dist.all_gather_object(published, (groups.pp_rank, [s for _, s in self.local.values()]))
+        self.shards: dict[str, list[Shard]] = {}  # this stage's tensors: every shard
+        self.sources: dict[str, list[int]] = {}  # rank that sends shard i of name
+        for rank, (pp_rank, shards) in enumerate(published):
+            if pp_rank != groups.pp_rank:
+                continue
+            for shard in shards:
+                by_index = self.shards.setdefault(shard.name, [None] * shard.count)
+                sources = self.sources.setdefault(shard.name, [None] * shard.count)
+                if by_index[shard.index] is None:
+                    by_index[shard.index] = shard
+                if sources[shard.index] is None or rank == groups.sender_rank:
+                    sources[shard.index] = rank  # the lowest holder, or the sender itself
+        for name, by_index in self.shards.items():
+            if any(s is None for s in by_index):
+                raise ValueError(f"{name}: no rank of pipeline stage {groups.pp_rank} holds "
+                                 f"shards {[i for i, s in enumerate(by_index) if s is None]}")
 
     def names(self) -> set[str]:
-        """Every TP1/EP1/PP1 parameter name this stage holds (all experts of its layers)."""
-        names = set()
-        for name, (_, _, expert) in self.params.items():
-            if expert is None:
-                names.add(name)
+        """Every TP1/EP1/PP1 parameter name this stage holds."""
+        return set(self.shards)
+
+    def _trimmed(self, name: str) -> bool:
+        shard = self.shards[name][0]
+        return (self.vocab_size is not None and name in _VOCAB_NAMES
+                and shard.full_shape[0] > self.vocab_size)
+
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor with the full tensor's HF-side shape and dtype (no communication)."""
+        shard = self.shards[name][0]
+        shape = list(shard.full_shape)
+        if self._trimmed(name):
+            shape[0] = self.vocab_size
+        return torch.empty(shape, dtype=shard.dtype, device="meta")
+
+    def can_fill(self, name: str) -> bool:
+        """Whether `gather(into={name: ...})` can assemble `name` straight in the caller's buffer
+        (no vocabulary padding to drop)."""
+        return not self._trimmed(name)
+
+    def participates(self, names: Iterable[str]) -> bool:
+        """Whether this rank sends or receives anything when gathering `names`."""
+        if self.groups.is_sender:
+            return True
+        return any(self.rank in self.sources[name] for name in names)
+
+    def gather(self, names: Iterable[str], *, into: Mapping[str, torch.Tensor] | None = None,
+               arena: Arena | None = None) -> dict[str, torch.Tensor]:
+        """{name: full tensor} on the sender ({} elsewhere); collective among the ranks that hold
+        the chosen shards, in the order of `names` (the same on every rank). `into[name]` (sender
+        only, full HF-side shape) receives the tensor in place; the other results are views of
+        this rank's parameters or of `arena` (valid until its next reset)."""
+        names = list(names)
+        into = into or {}
+        arena = arena or Arena(self.device)
+        if not self.groups.is_sender:
+            works = [dist.isend(tensor.contiguous(), dst=self.groups.sender_rank)
+                     for name in names for tensor in self._pieces_from_me(name)]
+            for work in works:
+                work.wait()
+            return {}
+        works, copies, out = [], [], {}
+        for name in names:
+            shards, sources = self.shards[name], self.sources[name]
+            local, _ = self.local.get(name, (None, None))
+            if len(shards) == 1 and sources[0] == self.rank:
+                full = local  # the sender's own parameter: no copy
+                if name in into:
+                    into[name].copy_(local)
+                    full = into[name]
+                out[name] = full
                 continue
-            local = self._num_local_experts[int(_LAYER.match(name)[1])]
-            names.update(_expert_name(name, expert + rank * local)
-                         for rank in range(_size(self.groups.ep)))
-        return names
+            full = into.get(name)
+            if full is None:
+                full = arena.take(shards[0].full_shape, shards[0].dtype)
+                out[name] = full[:self.vocab_size] if self._trimmed(name) else full
+            else:
+                out[name] = full
+            for shard, source in zip(shards, sources):
+                for target, piece in self._places(full, shard, local, source):
+                    if source == self.rank:
+                        copies.append((target, piece))
+                    elif target.is_contiguous():
+                        works.append(dist.irecv(target, src=source))
+                    else:  # a strided place: receive into scratch, copy when it arrives
+                        scratch = arena.take(target.shape, target.dtype)
+                        works.append(dist.irecv(scratch, src=source))
+                        copies.append((target, scratch))
+        for work in works:
+            work.wait()
+        for target, piece in copies:
+            target.copy_(piece)
+        return out
 
-    def get(self, name: str) -> torch.Tensor:
-        """The full tensor `name` (collective over this stage's TP / EP / ETP groups)."""
-        if name in self._ready:
-            return self._ready.pop(name)
-        owner = self._owner(name)
-        local_name, param, expert = self.params[owner]
-        tensor = param.detach()
-        if expert is None:
-            full = self._gather_tp(tensor, param, self.groups.tp, local_name)
-            return self._trim_vocab(name, full)
-        full = self._gather_tp(tensor, param, self.groups.etp, local_name)
-        layer = int(_LAYER.match(owner)[1])
-        local = self._num_local_experts[layer]
-        for rank, part in enumerate(_all_gather(full, self.groups.ep)):
-            self._ready[_expert_name(owner, expert + rank * local)] = part
-        return self._ready.pop(name)
+    def _pieces_from_me(self, name: str) -> list[torch.Tensor]:
+        """What this (non-sender) rank sends for `name`, in the order the sender receives."""
+        if self.rank not in self.sources[name]:
+            return []
+        tensor, shard = self.local[name]
+        if self.sources[name][shard.index] != self.rank:
+            return []
+        return list(tensor.chunk(2, dim=0)) if shard.gated else [tensor]
 
-    def _owner(self, name: str) -> str:
-        """The key in self.params whose gather produces `name`."""
-        if name in self.params and self.params[name][2] is None:
-            return name
-        match = _LAYER.match(name)
-        expert = _LOCAL_EXPERT.match(match[2]) if match else None
-        if expert is None:
-            raise KeyError(f"{name} is not a parameter of pipeline stage {self.groups.pp_rank}")
-        layer, global_expert = int(match[1]), int(expert[1])
-        local = self._num_local_experts[layer]
-        base = self._experts_by_layer[layer][0]
-        owner = _expert_name(name, base + global_expert % local)
-        if owner not in self.params:
-            raise KeyError(f"{name} is not a parameter of pipeline stage {self.groups.pp_rank}")
-        return owner
-
-    def _gather_tp(self, tensor: torch.Tensor, param, group, local_name: str) -> torch.Tensor:
-        if not getattr(param, "tensor_model_parallel", False) or _size(group) == 1:
-            return tensor
-        dim = param.partition_dim
-        parts = _all_gather(tensor, group)
-        if self.gated_linear_unit and local_name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
-            # Each shard is [gate_r; up_r]: the full tensor is [gate_0..gate_n; up_0..up_n].
-            halves = [part.chunk(2, dim=dim) for part in parts]
-            return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=dim)
-        return torch.cat(parts, dim=dim)
-
-    def _trim_vocab(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if (self.vocab_size is not None and tensor.shape[0] > self.vocab_size
-                and name in ("embedding.word_embeddings.weight", "output_layer.weight")):
-            return tensor[:self.vocab_size]
-        return tensor
-
-
-def _expert_name(name: str, global_expert: int) -> str:
-    return re.sub(r"local_experts\.\d+\.", f"local_experts.{global_expert}.", name, count=1)
+    def _places(self, full: torch.Tensor, shard: Shard, local: torch.Tensor | None,
+                source: int):
+        """[(place in `full`, the sender's own piece or None)] for one shard, in send order."""
+        mine = source == self.rank
+        if shard.gated:  # [gate_r; up_r] -> rows r of the gate half and of the up half
+            rows = shard.shape[0] // 2
+            halves = local.chunk(2, dim=0) if mine else (None, None)
+            return [(full.narrow(0, part * rows * shard.count + shard.index * rows, rows), half)
+                    for part, half in enumerate(halves)]
+        size = shard.shape[shard.dim]
+        return [(full.narrow(shard.dim, shard.index * size, size), local if mine else None)]

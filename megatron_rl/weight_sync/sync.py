@@ -3,23 +3,31 @@
 Built on every trainer rank (its calls are collective over the trainer world) from the trainer's
 model chunk, the family's HF <-> Megatron mapping (`weight_groups(hf_config)` of
 models/<family>/convert.py: the same mapping the checkpoint tools use) and the generators. Each
-pipeline stage owns the mapping groups whose Megatron tensors it holds; its ranks gather those
-tensors (gather.py), its one sender converts them to HF names and layouts (`WeightGroup.to_hf`),
-casts them to the generators' dtype, packs buckets (buckets.py) and moves them (transport.py).
-The global rank 0 wraps the update: pause in place (Pipeline-RL: running requests keep their KV
-cache), begin_weight_update, ..., end_weight_update, continue. The policy version increases by one
-per successful sync.
+pipeline stage sends the mapping groups whose Megatron tensors it holds, through its one sender
+(its lowest rank). At construction the sync is planned (plan.py): every bucket's groups and byte
+layout. Per bucket the stage's shard holders send their shards to the sender (gather.py), which
+converts them to HF names and layouts (`WeightGroup.to_hf`, casting to the generators' dtype)
+straight into the bucket's bytes; a background thread moves each full bucket (transport.py) while
+the sender gathers and converts the next one into a second buffer. Buckets, scratch memory and
+the weight-update group are reused from sync to sync.
 
-Failure handling: before any collective, senders check their generators' health and all ranks
-agree (all-reduce) whether to go on; after every bucket the stage's ranks agree whether the sender
-succeeded, and at the end the whole world agrees. A failed sync raises `WeightSyncError` on every
-rank with the sender's message, leaves the trainer's weights and process groups untouched, does not
-advance the version, and drops the weight-update group (the next sync rebuilds it).
+The global rank 0 wraps the update: pause in place (Pipeline-RL: running requests keep their KV
+cache), begin_weight_update, ..., end_weight_update, flush the prefix cache, continue. The policy
+version increases by one per successful sync.
+
+Failure handling: before any transfer, senders check their generators' health and all ranks
+agree (all-reduce) whether to go on. A sender whose transfer fails stops sending but keeps
+receiving its stage's shards (the holders are sending them), and at the end the whole world
+agrees. A failed sync raises `WeightSyncError` on every rank with the sender's message, leaves
+the trainer's weights and process groups untouched, does not advance the version, and drops the
+weight-update group (the next sync rebuilds it).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
+import queue
+import threading
 import time
 from collections.abc import Sequence
 
@@ -27,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.generator import Generator
-from megatron_rl.weight_sync.buckets import BucketPacker
-from megatron_rl.weight_sync.gather import StageGatherer, WeightSyncGroups
+from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.gather import Arena, StageGatherer, WeightSyncGroups
+from megatron_rl.weight_sync.plan import PlannedBucket, plan_buckets
 from megatron_rl.weight_sync.transport import (DiskTransport, DistributedTransport, TensorTransport,
                                                Transport)
 
@@ -78,8 +87,9 @@ class SyncReport:
     seconds: float  # whole sync, wall clock
     gather_s: float  # TP / EP collectives
     convert_s: float  # HF names and layouts, dtype cast, packing
-    transfer_s: float  # moving bucket bytes
+    transfer_s: float  # moving bucket bytes (overlaps the next bucket's gather and convert)
     load_s: float  # waiting for the generators to load after the bytes arrived
+    control_s: float = 0.0  # health checks, pause / begin / end / flush / continue calls
     cache_flushed: bool = True  # coordinator: every generator's prefix cache was dropped
 
     @property
@@ -103,6 +113,11 @@ class WeightSync:
                                       gated_linear_unit=bool(gpt.config.gated_linear_unit),
                                       vocab_size=hf_vocab_size)
         self.mapping = self._stage_mapping(list(mapping))
+        self.plan: list[PlannedBucket] = plan_buckets(
+            self.mapping, self.gatherer.meta, bucket_bytes=settings.bucket_bytes,
+            dtype=settings.dtype, can_fill=self.gatherer.can_fill)
+        self.arena = Arena(self.gatherer.device)
+        self._buffers: list[torch.Tensor] = []  # the sender's bucket buffers, kept between syncs
         self.version = 0
         self.transport = self._make_transport()
 
@@ -171,7 +186,9 @@ class WeightSync:
         version = self.version + 1
         began = False
         error = None
+        counts = _Counts()
         if self.groups.is_sender or self._is_coordinator:
+            tick = time.perf_counter()
             try:
                 for generator in self.generators:
                     generator.check_health()
@@ -181,8 +198,9 @@ class WeightSync:
                     self.transport.connect()
             except Exception as exc:  # noqa: BLE001 (agreed on below, re-raised everywhere)
                 error = exc
+            counts.control_s += time.perf_counter() - tick
         self._agree(error, dist.group.WORLD, "before sending", cleanup=began)
-        counts = _Counts()
+        self.transport.times.transfer = self.transport.times.load = 0.0
         error = self._send_stage(version, counts)
         self._agree(error, dist.group.WORLD, "while sending", cleanup=began)
         error = None
@@ -194,12 +212,14 @@ class WeightSync:
         self._agree(error, dist.group.WORLD, "finishing", cleanup=began)
         error, flushed = None, True
         if self._is_coordinator:
+            tick = time.perf_counter()
             try:
                 if isinstance(self.transport, DiskTransport):
                     self.transport.reload_generators(version=version)
                 flushed = self._end(began, version)
             except Exception as exc:  # noqa: BLE001
                 error = exc
+            counts.control_s += time.perf_counter() - tick
         self._agree(error, dist.group.WORLD, "ending the update", cleanup=False)
         self.version = version
         times = self.transport.times
@@ -207,7 +227,22 @@ class WeightSync:
                           num_tensors=counts.num_tensors, num_buckets=counts.num_buckets,
                           seconds=time.perf_counter() - start, gather_s=counts.gather_s,
                           convert_s=counts.convert_s, transfer_s=times.transfer,
-                          load_s=times.load, cache_flushed=flushed)
+                          load_s=times.load, control_s=counts.control_s, cache_flushed=flushed)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights as the generators receive them ({HF name: tensor}, the
+        generators' dtype) on the sender, {} elsewhere; every rank of the stage calls it."""
+        state = {}
+        for bucket in self.plan:
+            full = self.gatherer.gather(bucket.megatron_names, arena=self.arena)
+            if self.groups.is_sender:
+                for group in bucket.groups:
+                    for name, tensor in group.to_hf(
+                            {n: full[n] for n in group.megatron_names}).items():
+                        state[name] = tensor.to(self.settings.dtype or tensor.dtype,
+                                                copy=True).contiguous()
+            self.arena.reset()
+        return state
 
     def _begin(self) -> bool:
         if isinstance(self.transport, DiskTransport):
@@ -239,42 +274,62 @@ class WeightSync:
         return flushed
 
     def _send_stage(self, version: int, counts: "_Counts") -> Exception | None:
-        """Gather, convert, pack and send this stage's groups; the first send error. After a
-        failed send the sender keeps taking part in the stage's gathers (its TP / EP peers are
-        waiting in them) but sends nothing more."""
-        flush_cache = self.settings.pause_mode != "in_place"
-        packer = BucketPacker(self.settings.bucket_bytes, device="cpu")
-        self.transport.times.transfer = self.transport.times.load = 0.0
-        error = None
-        for group in self.mapping:
-            tick = time.perf_counter()
-            megatron = {name: self.gatherer.get(name) for name in group.megatron_names}
-            counts.gather_s += time.perf_counter() - tick
-            if not self.groups.is_sender or error is not None:
-                continue
-            tick = time.perf_counter()
-            buckets = []
-            for name, tensor in group.to_hf(megatron).items():
-                if self.settings.dtype is not None:
-                    tensor = tensor.to(self.settings.dtype)
-                buckets += packer.add(name, tensor.contiguous())
-                counts.num_tensors += 1
-            counts.convert_s += time.perf_counter() - tick
-            error = self._send_buckets(buckets, version, flush_cache, counts)
-        if self.groups.is_sender and error is None:
-            error = self._send_buckets(packer.flush(), version, flush_cache, counts)
-        return error
+        """Gather, convert and send this stage's buckets; the sender's first send error. Ranks
+        holding none of the shards the sender needs return at once."""
+        sender = self.groups.is_sender
+        if not self.plan or not self.gatherer.participates(n for b in self.plan for n in b.megatron_names):
+            return None
+        pipeline = _SendPipeline(self.transport, self._bucket_buffers(), version, counts) \
+            if sender else None
+        convert_error = None
+        try:
+            for bucket in self.plan:
+                into, slots, buffer = None, None, None
+                if sender:
+                    buffer = pipeline.take_buffer()
+                    slots = bucket.slots(buffer)
+                    into = {megatron: slots[hf] for hf, megatron in bucket.in_place.items()}
+                tick = time.perf_counter()
+                full = self.gatherer.gather(bucket.megatron_names, into=into, arena=self.arena)
+                counts.gather_s += time.perf_counter() - tick
+                if not sender:
+                    continue
+                tick = time.perf_counter()
+                # After a failed send or conversion: keep receiving (the holders are sending),
+                # convert and send nothing more.
+                if pipeline.error is None and convert_error is None:
+                    try:
+                        self._convert(bucket, full, slots)
+                        counts.num_tensors += len(bucket.specs)
+                    except Exception as exc:  # noqa: BLE001 (agreed on by all ranks)
+                        convert_error = exc
+                self.arena.reset()
+                counts.convert_s += time.perf_counter() - tick
+                if convert_error is None:
+                    pipeline.submit(buffer, bucket)
+                else:
+                    pipeline.give_back(buffer)
+        finally:
+            send_error = pipeline.close() if pipeline is not None else None
+        return convert_error or send_error
 
-    def _send_buckets(self, buckets, version: int, flush_cache: bool,
-                      counts: "_Counts") -> Exception | None:
-        for bucket in buckets:
-            try:
-                self.transport.send(bucket, version=version, flush_cache=flush_cache)
-            except Exception as exc:  # noqa: BLE001 (agreed on by all ranks, then re-raised)
-                return exc
-            counts.num_bytes += bucket.num_bytes
-            counts.num_buckets += 1
-        return None
+    @staticmethod
+    def _convert(bucket: PlannedBucket, full: dict[str, torch.Tensor],
+                 slots: dict[str, torch.Tensor]) -> None:
+        """HF names and layouts (and the generators' dtype) into the bucket's slots; tensors
+        gathered in place are there already."""
+        for group in bucket.groups:
+            for name, tensor in group.to_hf({n: full[n] for n in group.megatron_names}).items():
+                if name not in bucket.in_place:
+                    slots[name].copy_(tensor)
+
+    def _bucket_buffers(self) -> list[torch.Tensor]:
+        """Two buffers of the largest bucket (one is filled while the other is sent)."""
+        if not self._buffers:
+            size = max(bucket.num_bytes for bucket in self.plan)
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.gatherer.device)
+                             for _ in range(min(2, len(self.plan)))]
+        return self._buffers
 
     def _agree(self, error, group, when: str, *, cleanup: bool = False) -> None:
         """All ranks learn whether any rank failed; every rank raises the same WeightSyncError."""
@@ -314,3 +369,51 @@ class _Counts:
     num_buckets: int = 0
     gather_s: float = 0.0
     convert_s: float = 0.0
+    control_s: float = 0.0
+
+
+class _SendPipeline:
+    """The sender's transfer thread: it sends each filled bucket buffer and hands the buffer
+    back, while the caller fills the next one. The first send error stops further sends (the
+    caller keeps draining its gathers) and is returned by `close`."""
+
+    def __init__(self, transport: Transport, buffers: list[torch.Tensor], version: int,
+                 counts: _Counts):
+        self.transport = transport
+        self.version = version
+        self.counts = counts
+        self.error: Exception | None = None
+        self._free: queue.Queue = queue.Queue()
+        for buffer in buffers:
+            self._free.put(buffer)
+        self._todo: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="weight-sync-send", daemon=True)
+        self._thread.start()
+
+    def take_buffer(self) -> torch.Tensor:
+        return self._free.get()
+
+    def submit(self, buffer: torch.Tensor, bucket: PlannedBucket) -> None:
+        self._todo.put((buffer, bucket))
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        self._free.put(buffer)
+
+    def close(self) -> Exception | None:
+        self._todo.put(None)
+        self._thread.join()
+        return self.error
+
+    def _run(self) -> None:
+        while (item := self._todo.get()) is not None:
+            buffer, bucket = item
+            if self.error is None:
+                try:
+                    self.transport.send(Bucket(specs=bucket.specs,
+                                               data=buffer[:bucket.num_bytes]),
+                                        version=self.version, flush_cache=False)
+                    self.counts.num_bytes += bucket.num_bytes
+                    self.counts.num_buckets += 1
+                except Exception as exc:  # noqa: BLE001 (returned to the caller)
+                    self.error = exc
+            self._free.put(buffer)

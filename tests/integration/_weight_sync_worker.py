@@ -63,15 +63,6 @@ def trainer_logprobs(trainer: RLTrainer, sequences) -> list[torch.Tensor]:
     return out
 
 
-def full_hf_state_dict(sync) -> dict[str, torch.Tensor]:
-    """The HF tensors of the trainer's current weights, gathered through the same mapping
-    (collective; meaningful on rank 0, single pipeline stage)."""
-    state = {}
-    for group in sync.mapping:
-        state.update(group.to_hf({n: sync.gatherer.get(n) for n in group.megatron_names}))
-    return {k: v.clone() for k, v in state.items()}
-
-
 def transformers_greedy(model_dir: str, state: dict, prompts, max_new_tokens: int):
     """transformers' greedy completions with `state` (HF on-disk names, loaded through
     from_pretrained so that transformers applies its own expert fusing)."""
@@ -141,7 +132,7 @@ def main() -> None:
     result["sync1"] = {"version": report.version, "num_bytes": report.num_bytes,
                        "cache_flushed": report.cache_flushed,
                        "num_buckets": report.num_buckets, "num_tensors": report.num_tensors}
-    hf_state = full_hf_state_dict(sync)
+    hf_state = sync.hf_state_dict()
     if rank == 0:
         result["generator_version_1"] = generator.weight_version
         result["server_version_1"] = generator.server_weight_version()

@@ -1,81 +1,102 @@
-"""Bucket packing (megatron_rl.weight_sync.buckets) and the TP gather layout fix (gather.py),
-against hand-built references."""
+"""Bucket planning (megatron_rl.weight_sync.plan), the reusable scratch memory (gather.Arena) and
+the bucket byte layout (buckets.Bucket), against hand-computed layouts."""
 import pytest
 import torch
 
-from megatron_rl.weight_sync import gather
-from megatron_rl.weight_sync.buckets import BucketPacker, pack_buckets
+from megatron_rl.weight_sync import Arena, Bucket, plan_buckets
+from models.convert_common import concatenated, fused_qkv, renamed
 
 pytestmark = pytest.mark.unit
 
-
-def _named():
-    gen = torch.Generator().manual_seed(0)
-    return [("a", torch.randn(3, 4, generator=gen)), ("b", torch.randn(5, generator=gen)),
-            ("big", torch.randn(40, generator=gen)), ("c", torch.randn(2, 2, generator=gen)),
-            ("half", torch.randn(3, generator=gen).to(torch.bfloat16)),
-            ("d", torch.randn(6, generator=gen))]
+SHAPES = {"emb": (10, 4), "qkv": (16, 4), "fc1": (12, 4), "norm": (4,), "head": (10, 4)}
 
 
-def test_buckets_are_the_tensors_bytes_back_to_back():
-    named = _named()
-    buckets = list(pack_buckets(named, bucket_bytes=64))
-    # 64-byte buckets, by hand: a (48 B) + b (20 B) would exceed 64 -> [a]; b + big (160 B)
-    # would -> [b]; big alone fills one -> [big]; c (16 B) then half (bf16) changes dtype ->
-    # [c]; half then d (fp32) changes dtype -> [half]; flush -> [d].
-    assert [[s.name for s in b.specs] for b in buckets] == [
-        ["a"], ["b"], ["big"], ["c"], ["half"], ["d"]]
-    for bucket in buckets:
-        # SGLang's flattened_bucket layout: each tensor's bytes, in order, no padding.
-        expected = torch.cat([t.flatten().view(torch.uint8) for n, t in named
-                              if n in {s.name for s in bucket.specs}])
-        assert torch.equal(bucket.data, expected)
-    unpacked = dict(kv for b in buckets for kv in b.tensors())
-    for name, tensor in named:
-        assert unpacked[name].dtype == tensor.dtype and torch.equal(unpacked[name], tensor)
-    assert sum(b.num_bytes for b in buckets) == sum(t.numel() * t.element_size()
-                                                    for _, t in named)
+def _meta(dtypes=None):
+    dtypes = dtypes or {}
+    return lambda name: torch.empty(SHAPES[name], dtype=dtypes.get(name, torch.float32),
+                                    device="meta")
 
 
-def test_one_dtype_per_bucket_and_flush():
-    packer = BucketPacker(10**6)
-    assert packer.add("x", torch.ones(4)) == []
-    (closed,) = packer.add("y", torch.ones(4, dtype=torch.bfloat16))  # dtype change closes
-    assert [s.name for s in closed.specs] == ["x"]
-    (rest,) = packer.flush()
-    assert [s.name for s in rest.specs] == ["y"] and rest.specs[0].dtype == torch.bfloat16
-    assert packer.flush() == []
+def _groups():
+    return [renamed("embed", "emb"),
+            fused_qkv("q", "k", "v", "qkv", num_attention_heads=2, num_query_groups=1),
+            concatenated(("gate", "up"), "fc1"), renamed("norm_w", "norm"),
+            renamed("lm_head", "head")]
+
+
+def test_plan_packs_whole_groups_up_to_the_bucket_size():
+    # HF bytes per group (fp32): embed 160, q+k+v 256 (q 8x4, k 4x4, v 4x4), gate+up 192,
+    # norm 16, lm_head 160. With 300-byte buckets: [embed] (160 + 256 > 300), [qkv]
+    # (256 + 192 > 300), [gate, up, norm] (192 + 16 + 160 > 300), [lm_head].
+    plan = plan_buckets(_groups(), _meta(), bucket_bytes=300)
+    assert [[s.name for s in b.specs] for b in plan] == [
+        ["embed"], ["q", "k", "v"], ["gate", "up", "norm_w"], ["lm_head"]]
+    assert [b.num_bytes for b in plan] == [160, 256, 208, 160]
+    assert plan[1].offsets == (0, 128, 192) and plan[2].offsets == (0, 96, 192)
+    # Renamed groups are gathered straight into the bucket; split / fused ones are converted.
+    assert plan[0].in_place == {"embed": "emb"} and plan[1].in_place == {}
+    assert plan[2].in_place == {"norm_w": "norm"}
+    assert plan[2].megatron_names == ["fc1", "norm"]
+    # A group larger than the bucket travels alone.
+    tiny = plan_buckets(_groups(), _meta(), bucket_bytes=1)
+    assert [len(b.groups) for b in tiny] == [1] * 5
     with pytest.raises(ValueError, match="bucket_bytes"):
-        BucketPacker(0)
+        plan_buckets(_groups(), _meta(), bucket_bytes=0)
 
 
-def _shard_param(tensor, partition_dim):
-    param = torch.nn.Parameter(tensor)
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    return param
+def test_mixed_dtypes_are_ordered_by_item_size_so_every_offset_is_aligned():
+    # norm in bf16 (8 bytes) before fp32 tensors would misalign them: larger items go first.
+    dtypes = {"norm": torch.bfloat16}
+    (bucket,) = plan_buckets(_groups()[2:4], _meta(dtypes), bucket_bytes=10**6)
+    assert [s.name for s in bucket.specs] == ["gate", "up", "norm_w"]
+    assert [s.dtype for s in bucket.specs] == [torch.float32, torch.float32, torch.bfloat16]
+    for spec, offset in zip(bucket.specs, bucket.offsets):
+        assert offset % spec.dtype.itemsize == 0
+    # A cast to the generators' dtype: every tensor bf16, nothing gathered in place.
+    (cast,) = plan_buckets(_groups(), _meta(), bucket_bytes=10**6, dtype=torch.bfloat16)
+    assert {s.dtype for s in cast.specs} == {torch.bfloat16} and cast.in_place == {}
+    assert cast.num_bytes == (160 + 256 + 192 + 16 + 160) // 2
+    # A tensor the gatherer cannot assemble in place (vocabulary padding) is copied instead.
+    (trimmed,) = plan_buckets(_groups()[:1], _meta(), bucket_bytes=10**6,
+                              can_fill=lambda name: name != "emb")
+    assert trimmed.in_place == {}
 
 
-def test_tp_gather_rebuilds_gated_fc1_and_row_parallel(monkeypatch):
-    """Megatron's TP shards of a SwiGLU fc1 are [gate_r; up_r]; the full tensor is
-    [gate; up]. A row-parallel weight is split along dim 1."""
-    gate, up = torch.arange(8.0).reshape(4, 2), 100 + torch.arange(8.0).reshape(4, 2)
-    shards = [torch.cat([gate[2 * r:2 * r + 2], up[2 * r:2 * r + 2]]) for r in range(2)]
-    monkeypatch.setattr(gather, "_size", lambda group: 2)
-    monkeypatch.setattr(gather, "_all_gather", lambda tensor, group: shards)
-    gatherer = gather.StageGatherer.__new__(gather.StageGatherer)
-    gatherer.gated_linear_unit = True
-    full = gatherer._gather_tp(shards[0], _shard_param(shards[0], 0), object(),
-                               "decoder.layers.0.mlp.linear_fc1.weight")
-    assert torch.equal(full, torch.cat([gate, up]))
-    row = torch.arange(12.0).reshape(2, 6)
-    parts = list(row.chunk(2, dim=1))
-    monkeypatch.setattr(gather, "_all_gather", lambda tensor, group: parts)
-    full = gatherer._gather_tp(parts[0], _shard_param(parts[0], 1), object(),
-                               "decoder.layers.0.self_attention.linear_proj.weight")
-    assert torch.equal(full, row)
+def test_slots_are_views_of_the_buffer_and_bucket_tensors_read_them_back():
+    (bucket,) = plan_buckets(_groups()[2:4], _meta({"norm": torch.bfloat16}),
+                             bucket_bytes=10**6)
+    data = torch.zeros(bucket.num_bytes + 64, dtype=torch.uint8)  # a larger reused buffer
+    slots = bucket.slots(data)
+    values = {name: torch.randn(slot.shape).to(slot.dtype) for name, slot in slots.items()}
+    for name, slot in slots.items():
+        slot.copy_(values[name])
+    # SGLang's flattened-bucket layout: each tensor's bytes back to back, in specs order.
+    expected = torch.cat([values[s.name].flatten().view(torch.uint8) for s in bucket.specs])
+    assert torch.equal(data[:bucket.num_bytes], expected)
+    sent = Bucket(specs=bucket.specs, data=data[:bucket.num_bytes])
+    assert sent.num_bytes == bucket.num_bytes
+    for name, tensor in sent.tensors():
+        assert torch.equal(tensor, values[name]) and tensor.dtype == values[name].dtype
 
 
-def test_expert_names_map_between_local_and_global_numbers():
-    assert gather._expert_name("decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight",
-                               5) == "decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight"
+def test_arena_reuses_one_buffer_once_it_has_grown():
+    arena = Arena()
+    # Sizes round up to 256-byte slots: 60 B -> 256, 14 B -> 256, 4000 B -> 4096.
+    a = arena.take((3, 5), torch.float32)
+    b = arena.take((7,), torch.bfloat16)
+    c = arena.take((1000,), torch.float32)
+    assert a.shape == (3, 5) and b.dtype == torch.bfloat16 and c.numel() == 1000
+    a.fill_(1.0)
+    b.fill_(2.0)
+    c.fill_(3.0)
+    assert torch.all(a == 1.0) and torch.all(b == 2.0)  # no overlap
+    assert len(arena._chunks) == 3  # the first round grew chunk by chunk
+    arena.reset()  # one buffer for everything the last round took
+    assert len(arena._chunks) == 1 and arena.capacity == 256 + 256 + 4096
+    a2 = arena.take((3, 5), torch.float32)
+    b2 = arena.take((7,), torch.bfloat16)
+    c2 = arena.take((1000,), torch.float32)
+    assert len(arena._chunks) == 1  # steady state: no new memory
+    assert (b2.data_ptr() - a2.data_ptr(), c2.data_ptr() - a2.data_ptr()) == (256, 512)
+    arena.reset()
+    assert arena.take((3, 5), torch.float32).data_ptr() == a2.data_ptr()
