@@ -16,6 +16,14 @@ breaks without it (CPU_STACK.md, verified by switching it off):
 4. The Llama-4 MoE on the native (CPU) path: SGLang raises NotImplementedError for
    `apply_router_weight_on_input`; with top-1 routing it equals scaling the expert input by the
    router weight and combining with unit weights, which is what the wrapper does.
+5. One reused receive buffer for weight-update buckets (CPU torch has no caching allocator: each
+   fresh bucket cost more in page faults than its transfer). See `_reuse_receive_buffer`.
+6. Llama-4 RoPE on CPU: SGLang's Llama-4 attention relies on the CUDA rotary kernel rotating q/k
+   in place and drops the result; the CPU path returns new tensors, so RoPE was never applied.
+   The wrapper writes the result back in place. See `_rotate_in_place`.
+7. Llama-4 chunked local attention on torch_native (the CPU attention backend ignores it and
+   attends to the whole prefix): chunk-block masks on RoPE layers; needs
+   --disable-hybrid-swa-memory (checked). See `_with_chunked_attention`.
 """
 from __future__ import annotations
 
@@ -49,6 +57,10 @@ def apply_sglang_cpu_fixes() -> bool:
         _install_sgl_kernel_stand_in()
         _install_torchvision_stand_in()
         _patch_native_moe_on_import()
+        _patch_on_import("sglang.srt.models.llama4", _patch_llama4_rope)
+        _patch_on_import("sglang.srt.layers.attention.torch_native_backend",
+                         _patch_torch_native_chunked_attention)
+        _patch_on_import("sglang.srt.weight_sync.tensor_bucket", _patch_tensor_bucket)
         _applied = True
     return True
 
@@ -184,3 +196,157 @@ def _patch_native_moe_on_import() -> None:
         module.moe_forward_native = _native_moe_with_input_weights(module.moe_forward_native)
     else:
         sys.meta_path.insert(0, _PatchNativeMoe())
+
+
+# 6. Llama-4 RoPE on the CPU path. SGLang's Llama4Attention calls `self.rotary_emb(positions, q,
+#    k)` on views of its fused qkv output and discards the result, relying on the CUDA kernel
+#    rotating in place. The CPU path (`forward_cpu` -> `forward_native`) returns new tensors and
+#    leaves its inputs alone, so without this fix no Llama-4 layer applies RoPE on CPU (log-probs
+#    off by up to ~3 nats from the third token on, tiny model). The wrapper copies the rotated
+#    values back into the views it was given, which is what the CUDA kernel does.
+def _rotate_in_place(forward):
+    """Wrap a rotary embedding's forward so that it also writes its result into query / key."""
+
+    def wrapped(positions, query, key, *args, **kwargs):
+        rotated_query, rotated_key = forward(positions, query, key, *args, **kwargs)
+        if rotated_query is not query:
+            query.copy_(rotated_query.reshape(query.shape))
+        if rotated_key is not key:
+            key.copy_(rotated_key.reshape(key.shape))
+        return query, key
+
+    return wrapped
+
+
+def _patch_llama4_rope(module) -> None:
+    attention_class = module.Llama4Attention
+    init = attention_class.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.rotary_emb is not None:  # NoPE layers have none
+            # An instance attribute: nn.Module.__call__ looks `forward` up on the instance.
+            self.rotary_emb.forward = _rotate_in_place(self.rotary_emb.forward)
+
+    attention_class.__init__ = __init__
+
+
+# 7. Llama-4 chunked local attention on the CPU attention backend (torch_native). On RoPE layers
+#    (RadixAttention.use_irope) a token attends causally within its `attention_chunk_size` chunk
+#    only; the GPU backends implement it, torch_native ignores `use_irope` and attends to the
+#    whole prefix. The backend already masks by a sliding window when a layer has one: for a
+#    chunked layer this fix hands it the chunk size as the window and, for that call, a mask
+#    builder that draws chunk blocks instead (same keyword arguments, absolute positions, so
+#    prefill, cached prefixes and decode are all covered). Without it the tiny test model's
+#    log-probs are off by up to ~4 nats from the first token past the first chunk. SGLang also
+#    keeps the KV of Llama-4's chunked layers in a separate, smaller sliding-window pool by
+#    default, which torch_native reads with full-pool indices: wrong rows once the two pools'
+#    slots diverge, then "IndexError: index 820 is out of bounds for dimension 0 with size 820"
+#    (a 819-token window pool). A chunked model on this backend must be served with
+#    --disable-hybrid-swa-memory; starting without it is an error rather than silent garbage.
+def _chunked_causal_mask(*, q_len: int, kv_len: int, sliding_window_size: int,
+                         device, query_offset: int = 0) -> torch.Tensor:
+    """[q_len, kv_len] True = attend: key k is at or before query q and in q's chunk (chunk size
+    passed as `sliding_window_size`, the name of the mask builder this stands in for)."""
+    q_pos = torch.arange(query_offset, query_offset + q_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
+    return (k_pos <= q_pos) & (k_pos >= q_pos - q_pos % sliding_window_size)
+
+
+def _with_chunked_attention(forward):
+    """Wrap torch_native's forward_extend / forward_decode (see fix 7)."""
+
+    def wrapped(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        chunk = self.attention_chunk_size
+        if chunk is None or not getattr(layer, "use_irope", False):
+            return forward(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        window = layer.sliding_window_size
+        layer.sliding_window_size = chunk
+        self._make_sliding_window_mask = _chunked_causal_mask  # shadows the staticmethod
+        try:
+            return forward(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        finally:
+            layer.sliding_window_size = window
+            del self._make_sliding_window_mask
+
+    return wrapped
+
+
+def _patch_torch_native_chunked_attention(module) -> None:
+    backend_class = module.TorchNativeAttnBackend
+    init = backend_class.__init__
+
+    @functools.wraps(init)
+    def __init__(self, model_runner, *args, **kwargs):
+        init(self, model_runner, *args, **kwargs)
+        self.attention_chunk_size = getattr(model_runner, "attention_chunk_size", None)
+        if self.attention_chunk_size is not None and self.use_sliding_window_kv_pool:
+            raise RuntimeError(
+                "torch_native attention reads a chunked-attention model's sliding-window KV pool "
+                "with full-pool indices: serve this model (e.g. Llama-4) on CPU with "
+                "--disable-hybrid-swa-memory (megatron_rl/platform/sglang_cpu.py, fix 7)")
+
+    backend_class.__init__ = __init__
+    backend_class.forward_extend = _with_chunked_attention(backend_class.forward_extend)
+    backend_class.forward_decode = _with_chunked_attention(backend_class.forward_decode)
+
+
+# 5. Reuse one receive buffer for weight-update buckets. SGLang allocates every received bucket
+#    afresh (`FlattenedTensorBucket.empty`). On GPU the CUDA caching allocator hands the same
+#    memory back for free; CPU torch has no caching allocator, so every bucket of a sync paid a
+#    page fault per 4 KiB of fresh memory (for a 64 MiB bucket that takes longer than receiving
+#    it). The received tensors only live until `load_weights` has copied them into the model,
+#    before the next bucket is received, so one buffer (grown to the largest bucket) serves all.
+def _reuse_receive_buffer(empty):
+    cache: dict[str, torch.Tensor] = {}
+
+    @functools.wraps(empty)
+    def wrapped(names, dtypes, shapes, device):
+        if torch.device(device).type != "cpu":
+            return empty(names, dtypes, shapes, device)
+        bucket = empty(names, dtypes, shapes, "meta")  # layout and checks, no memory
+        size = bucket.flattened_tensor.numel()
+        buffer = cache.get("buffer")
+        if buffer is None or buffer.numel() < size:
+            buffer = cache["buffer"] = torch.empty(size, dtype=torch.uint8)
+        bucket.flattened_tensor = buffer[:size]
+        return bucket
+
+    return wrapped
+
+
+def _patch_tensor_bucket(module) -> None:
+    bucket_class = module.FlattenedTensorBucket
+    bucket_class.empty = staticmethod(_reuse_receive_buffer(bucket_class.empty))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs `patch(module)` right after `target` is first imported (SGLang is never imported
+    from here)."""
+
+    def __init__(self, target: str, patch):
+        self.target = target
+        self.patch = patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.target:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        original_exec = spec.loader.exec_module
+
+        def exec_module(module):
+            original_exec(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _patch_on_import(target: str, patch) -> None:
+    module = sys.modules.get(target)
+    if module is not None:
+        patch(module)
+    else:
+        sys.meta_path.insert(0, _PatchOnImport(target, patch))

@@ -3,6 +3,8 @@ trainer's Megatron model from the same HF config.
 
 - `save_tiny_llama(dir)` / `save_tiny_qwen3_moe(dir)`: random transformers models saved with
   save_pretrained (safetensors), plus a byte-level BPE tokenizer trained locally.
+- `save_tiny_llama4(dir)`: the llama4 family's "tiny" text model in bf16, saved in the layout
+  SGLang serves Llama-4 from (Llama4ForConditionalGeneration, text weights only).
 - `HFConfigFamily(converter, hf_config)`: the models-registry interface (`transformer_config`,
   `build_model`) over a converter module (`megatron_config`, `build_model`, `weight_groups`);
   RLTrainer accepts it as `family=`.
@@ -62,6 +64,44 @@ def save_tiny_qwen3_moe(directory: Path, seed: int = 0) -> Path:
         router_aux_loss_coef=0.0)))
     model.save_pretrained(directory)
     _tokenizer().save_pretrained(directory)
+    return directory
+
+
+def save_tiny_llama4(directory: Path, seed: int = 0) -> Path:
+    """The llama4 family's "tiny" size (4 layers: 3 RoPE layers with q/k L2 norm, llama3 RoPE
+    scaling and 8-token chunked attention, 1 NoPE layer with temperature tuning; every layer MoE
+    with 4 top-1 sigmoid-routed experts and a shared expert), random, bf16, saved as SGLang serves
+    Llama-4: a Llama4ForConditionalGeneration config.json (this text config + transformers'
+    default vision config) and only the text weights, under "language_model.".
+
+    SGLang's Llama4ForConditionalGeneration loader is the one that un-fuses the experts
+    (`feed_forward.experts.gate_up_proj`) and permutes q/k rows for its rotate-half RoPE; its
+    text-only Llama4ForCausalLM falls back to the Llama loader, which skips the expert tensors
+    ("Parameter ... not found in params_dict") and leaves q/k unpermuted. With a single
+    safetensors file (no index listing vision weights) SGLang builds no vision tower. No
+    tokenizer: the server runs with --skip-tokenizer-init.
+    """
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import Llama4Config, Llama4ForCausalLM
+
+    from models import get_model_family
+
+    family = get_model_family("llama4")
+    # initializer_range 0.1 (the size's 0.02 gives near-uniform next-token distributions): peaked
+    # distributions, so that greedy decoding has no near-ties that bf16 noise could flip.
+    text = family.converter().hf_text_config_from_dict(
+        {**family.hf_config("tiny"), "initializer_range": 0.1})
+    torch.manual_seed(seed)
+    model = Llama4ForCausalLM(text).to(torch.bfloat16)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = Llama4Config(text_config=text.to_dict()).to_dict()
+    config.update(architectures=["Llama4ForConditionalGeneration"], torch_dtype="bfloat16")
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({f"language_model.{name}": tensor.contiguous()
+               for name, tensor in model.state_dict().items()},
+              str(directory / "model.safetensors"))
     return directory
 
 
@@ -135,11 +175,15 @@ llama_converter = types.SimpleNamespace(weight_groups=_llama_weight_groups,
 
 def family_for(model_dir: str) -> HFConfigFamily:
     """The family of a tiny model saved by this module (by its config.json architecture)."""
+    import json
+
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(model_dir)
-    if hf.architectures == ["LlamaForCausalLM"]:
-        return HFConfigFamily(llama_converter, hf)
-    from models import get_model_family
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config["architectures"] == ["LlamaForCausalLM"]:
+        return HFConfigFamily(llama_converter, AutoConfig.from_pretrained(model_dir))
+    from models import model_family_for_hf_architecture
 
-    return HFConfigFamily(get_model_family("qwen3_moe").converter(), hf)
+    converter = model_family_for_hf_architecture(config["architectures"][0]).converter()
+    # The text config, also inside a multimodal config.json (Llama4ForConditionalGeneration).
+    return HFConfigFamily(converter, converter.hf_text_config_from_dict(config))

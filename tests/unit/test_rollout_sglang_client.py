@@ -30,8 +30,11 @@ def test_server_args_map_our_config_and_fp32_head_is_on_by_default(tmp_path):
     assert pairs["--dtype"] == "bfloat16" and pairs["--mem-fraction-static"] == "0.5"
     assert pairs["--port"] == "1234" and pairs["--attention-backend"] == "torch_native"
     assert "--enable-fp32-lm-head" in args and "--skip-tokenizer-init" in args
-    off = SGLangServerSettings(model_path=str(tmp_path), enable_fp32_lm_head=False)
+    assert "--sleep-on-idle" in args  # an idle scheduler must not spin a core
+    off = SGLangServerSettings(model_path=str(tmp_path), enable_fp32_lm_head=False,
+                               sleep_on_idle=False)
     assert "--enable-fp32-lm-head" not in off.server_args(port=1)
+    assert "--sleep-on-idle" not in off.server_args(port=1)
     with pytest.raises(ValueError, match="ep_size must divide tp_size"):
         SGLangServerSettings(model_path=str(tmp_path), tp_size=2, ep_size=4)
     with pytest.raises(FileNotFoundError, match="config.json"):
@@ -148,3 +151,103 @@ def test_native_moe_router_weight_on_input_wrapper():
     assert torch.equal(seen["weights"], torch.ones(2, 1))
     with pytest.raises(NotImplementedError, match="top_k > 1"):
         wrapped(None, x, TopK(torch.ones(2, 2), None, None), Config(True))
+
+
+def test_llama4_rope_is_written_back_into_the_qkv_views():
+    """CPU fix 6: the rotary result lands in the q / k views of the fused qkv buffer, which is
+    what SGLang's Llama-4 attention reads afterwards; NoPE layers (no rotary) are left alone."""
+    import types
+
+    def forward(positions, query, key):  # like forward_native: new tensors, inputs untouched
+        return query * 10 + positions[:, None], -key
+
+    class Attention:  # stand-in for sglang.srt.models.llama4.Llama4Attention
+        def __init__(self, use_rope: bool):
+            self.rotary_emb = types.SimpleNamespace(forward=forward) if use_rope else None
+
+    sglang_cpu._patch_llama4_rope(types.SimpleNamespace(Llama4Attention=Attention))
+    assert Attention(use_rope=False).rotary_emb is None
+    qkv = torch.arange(12.0).reshape(2, 6)  # [tokens, q (2) | k (2) | v (2)]
+    q, k = qkv[:, :4].split([2, 2], dim=-1)
+    out_q, out_k = Attention(use_rope=True).rotary_emb.forward(torch.tensor([1, 2]), q, k)
+    assert out_q is q and out_k is k
+    assert qkv.tolist() == [[1.0, 11.0, -2.0, -3.0, 4.0, 5.0],
+                            [62.0, 72.0, -8.0, -9.0, 10.0, 11.0]]
+
+
+def test_chunked_attention_masks_and_torch_native_wrapper():
+    """CPU fix 7: chunk-block causal masks (prefill from position 0, decode at an offset), used
+    by the backend for chunked (use_irope) layers only and only for the call; a chunked model on
+    the hybrid sliding-window KV pool is refused."""
+    import types
+
+    mask = sglang_cpu._chunked_causal_mask(q_len=5, kv_len=5, sliding_window_size=2,
+                                           device="cpu")
+    assert mask.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0],
+                                   [0, 0, 1, 1, 0], [0, 0, 0, 0, 1]]
+    decode = sglang_cpu._chunked_causal_mask(q_len=1, kv_len=6, sliding_window_size=4,
+                                             device="cpu", query_offset=5)
+    assert decode.int().tolist() == [[0, 0, 0, 0, 1, 1]]
+
+    class Backend:  # stand-in for TorchNativeAttnBackend's dispatch on the layer's window
+        use_sliding_window_kv_pool = False
+
+        def __init__(self, model_runner):
+            del model_runner
+
+        @staticmethod
+        def _make_sliding_window_mask(**kwargs):
+            return "window"
+
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True):
+            if layer.sliding_window_size > -1:
+                return self._make_sliding_window_mask(
+                    q_len=3, kv_len=3, sliding_window_size=layer.sliding_window_size,
+                    device="cpu")
+            return "causal"
+
+        forward_decode = forward_extend
+
+    sglang_cpu._patch_torch_native_chunked_attention(
+        types.SimpleNamespace(TorchNativeAttnBackend=Backend))
+    backend = Backend(types.SimpleNamespace(attention_chunk_size=2))
+    chunked = types.SimpleNamespace(use_irope=True, sliding_window_size=-1)
+    full = types.SimpleNamespace(use_irope=False, sliding_window_size=-1)
+    assert backend.forward_extend(None, None, None, chunked, None).int().tolist() == \
+        [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    assert chunked.sliding_window_size == -1 and "_make_sliding_window_mask" not in vars(backend)
+    assert backend.forward_decode(None, None, None, full, None) == "causal"
+    unchunked_model = Backend(types.SimpleNamespace())  # no attention_chunk_size
+    assert unchunked_model.forward_extend(None, None, None, chunked, None) == "causal"
+    Backend.use_sliding_window_kv_pool = True
+    with pytest.raises(RuntimeError, match="--disable-hybrid-swa-memory"):
+        Backend(types.SimpleNamespace(attention_chunk_size=2))
+
+
+def test_weight_update_receive_buffer_is_reused_on_cpu():
+    """CPU fix 5: every received bucket is a view of one buffer, grown to the largest bucket;
+    layouts (and errors) still come from SGLang's own `empty`; other devices are untouched."""
+    import types
+
+    calls = []
+
+    def empty(names, dtypes, shapes, device):  # SGLang's FlattenedTensorBucket.empty contract
+        calls.append(str(device))
+        size = sum(torch.Size(s).numel() * getattr(torch, d).itemsize
+                   for d, s in zip(dtypes, shapes))
+        return types.SimpleNamespace(
+            flattened_tensor=torch.empty(size, dtype=torch.uint8, device=device))
+
+    reuse = sglang_cpu._reuse_receive_buffer(empty)
+    first = reuse(["a", "b"], ["float32", "bfloat16"], [[2, 3], [4]], "cpu")
+    second = reuse(["c"], ["float32"], [[3]], "cpu")
+    assert first.flattened_tensor.numel() == 32 and second.flattened_tensor.numel() == 12
+    assert first.flattened_tensor.device.type == "cpu"
+    assert second.flattened_tensor.data_ptr() == first.flattened_tensor.data_ptr()
+    bigger = reuse(["d"], ["float32"], [[100]], "cpu")  # grows once, then reused again
+    again = reuse(["e"], ["float32"], [[50]], "cpu")
+    assert bigger.flattened_tensor.numel() == 400
+    assert again.flattened_tensor.data_ptr() == bigger.flattened_tensor.data_ptr()
+    assert calls == ["meta"] * 4  # layout from SGLang's code, no memory of its own
+    other = reuse(["f"], ["float32"], [[2]], "meta")  # not CPU: SGLang's allocation as is
+    assert other.flattened_tensor.device.type == "meta" and calls[-1] == "meta"

@@ -1,0 +1,178 @@
+"""Trainer side of the Llama-4 SGLang integration test: one torchrun launch (2 ranks).
+
+Usage: torchrun --nproc-per-node 2 _llama4_sync_worker.py MODEL_DIR GENERATOR_URL OUT_JSON
+
+The trainer is the llama4 family's Megatron model of MODEL_DIR's text config, bf16 (Float16Module,
+bf16 parameters, FP32 log-prob head), at TP2 + SP for attention and the shared expert and EP2 x
+ETP1 for the 4 routed experts. Rank 0 writes the measured values to OUT_JSON; the pytest side
+asserts on them. Steps: trainer log-probs of fixed sequences vs the generator's before any sync
+(stale) and after sync 1, both against transformers run in FP32 on the synced bf16 weights;
+greedy completions vs transformers' on the same weights (and the logit margins that make that
+comparison meaningful); a train step changes the weights and sync 2 makes the generator follow.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _hf_families import family_for  # noqa: E402
+from _weight_sync_worker import max_abs_diff, sampled_batch, trainer_logprobs  # noqa: E402
+
+from megatron_rl.rollout import (GenerationResult, SamplingParams, SGLangGenerator,  # noqa: E402
+                                 wait_for_health)
+from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
+                                 RLTrainer, TrainerSettings)
+
+LAYOUT = ParallelLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+                        expert_tensor_parallel_size=1, sequence_parallel=True)
+# Longer than the 8-token attention chunk (up to 3 chunks) and than floor_scale 4, so chunked
+# attention and NoPE temperature tuning both act.
+SEQUENCES = [[5, 17, 42, 99, 7, 250, 3, 64, 128, 11, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39],
+             [200, 4, 4, 31, 77, 150, 9, 18],
+             [2, 200, 45, 61, 19, 88, 101, 7, 7, 250, 13, 6]]
+# Greedy decoding crosses chunk boundaries (positions 8 and 16) during decode.
+PROMPTS = [[5, 17, 42, 99, 7], [200, 4, 31], [2, 200, 45, 61, 19, 88, 101, 7, 9]]
+MAX_NEW_TOKENS = 12
+
+
+def transformers_model(family, state: dict[str, torch.Tensor]):
+    """transformers' Llama4ForCausalLM holding `state` (the synced HF tensors, bf16), computing
+    in FP32: the bf16 weights' exact function, up to FP32 rounding."""
+    from transformers import Llama4ForCausalLM
+
+    config = family.hf_config
+    config._attn_implementation = "eager"
+    model = Llama4ForCausalLM(config).eval()
+    model.load_state_dict({name: tensor.float() for name, tensor in state.items()}, strict=True)
+    return model
+
+
+@torch.no_grad()
+def transformers_logprobs(model, sequences) -> list[torch.Tensor]:
+    out = []
+    for seq in sequences:
+        logits = model(torch.tensor([seq])).logits[0, :-1].float()  # [len - 1, vocab]
+        out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0])
+    return out
+
+
+@torch.no_grad()
+def teacher_forced_steps(model, prompt: list[int], completion: list[int]) -> dict:
+    """transformers' logits at every completion position given the same prefix: how far each
+    chosen token is from transformers' top logit (0 when it is the argmax), and the top-1 /
+    top-2 gap (how close each step is to a tie)."""
+    logits = model(torch.tensor([prompt + completion])).logits[0].float()
+    steps = logits[len(prompt) - 1:-1]  # [len(completion), vocab]: row t predicts completion[t]
+    top2 = steps.topk(2, dim=-1).values
+    chosen = steps.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+    return {"chosen_gap": (top2[:, 0] - chosen).tolist(),
+            "margin": (top2[:, 0] - top2[:, 1]).tolist()}
+
+
+@torch.no_grad()
+def transformers_greedy(model, prompts, max_new_tokens: int) -> list[list[int]]:
+    outputs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def change_weights_by_a_train_step(trainer: RLTrainer, generator, rank: int) -> dict:
+    """One RL step on generator samples (rank 0 samples, every rank trains on the same batch)."""
+    payload = None
+    if rank == 0:
+        sampled = generator.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                             num_samples=2, seed=3))
+        payload = [(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs),
+                    r.prompt_index, r.sample_index) for r in sampled]
+    shared = [payload]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    sampled = [GenerationResult(prompt_index=p, sample_index=k, prompt_token_ids=tuple(pr),
+                                token_ids=tuple(c), logprobs=tuple(lp), versions=(1,) * len(c),
+                                finish_reason="length") for pr, c, lp, p, k in shared[0]]
+    metrics = trainer.train_step(sampled_batch(sampled))
+    return {"step_logp_mismatch": metrics.logp_mismatch, "step_skipped": metrics.skipped}
+
+
+def main() -> None:
+    from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
+
+    model_dir, url, out_path = sys.argv[1:4]
+    family = family_for(model_dir)
+    trainer = RLTrainer(TrainerSettings(
+        model_name="llama4", model_size="tiny", layout=LAYOUT, precision="bf16",
+        loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
+        optimizer=OptimizerSettings(lr=3e-2, lr_warmup_steps=0, clip_grad=0.0),
+        micro_batch_max_tokens=4096, seed=7,
+        # Random init of the full weights, then sliced: on CPU, Megatron's per-TP-rank init
+        # gives every TP rank the same shard (duplicated vocab rows tie the greedy argmax).
+        config_overrides={"use_cpu_initialization": True}), family=family)
+    rank = torch.distributed.get_rank()
+    generator = SGLangGenerator(url, request_timeout_s=120, max_retries=2)
+    result: dict = {}
+
+    train_logp = trainer_logprobs(trainer, SEQUENCES)
+    if rank == 0:
+        # The server starts while this launch builds the trainer (the pytest side watches it).
+        wait_for_health(url, timeout_s=240)
+        result["stale_max_diff"] = max_abs_diff(train_logp, generator.score(SEQUENCES))
+
+    # Small buckets (64 KiB): a sync takes several buckets, including tensors larger than one.
+    sync = WeightSync(trainer.model, family.weight_groups(), [generator],
+                      WeightSyncSettings(dtype=torch.bfloat16, bucket_bytes=64 * 2**10,
+                                         timeout_s=120),
+                      hf_vocab_size=family.hf_config.vocab_size)
+    report = sync.sync()
+    result["sync1"] = {"version": report.version, "num_buckets": report.num_buckets,
+                       "num_tensors": report.num_tensors, "num_bytes": report.num_bytes}
+    hf_state = sync.hf_state_dict()  # collective: {HF name: bf16 tensor} on rank 0
+    if rank == 0:
+        result["hf_dtypes"] = sorted({str(t.dtype) for t in hf_state.values()})
+        result["generator_version_1"] = generator.weight_version
+        result["server_version_1"] = generator.server_weight_version()
+        gen_logp = generator.score(SEQUENCES)
+        reference = transformers_model(family, hf_state)
+        hf_logp = transformers_logprobs(reference, SEQUENCES)
+        result["synced_max_diff"] = max_abs_diff(train_logp, gen_logp)
+        result["generator_vs_transformers"] = max_abs_diff(gen_logp, hf_logp)
+        result["trainer_vs_transformers"] = max_abs_diff(train_logp, hf_logp)
+
+        greedy = generator.generate(PROMPTS, SamplingParams(
+            max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True))
+        result["greedy_generator"] = [list(g.token_ids) for g in greedy]
+        result["greedy_versions"] = [list(g.versions) for g in greedy]
+        result["greedy_transformers"] = transformers_greedy(reference, PROMPTS, MAX_NEW_TOKENS)
+        result["generator_steps"] = [teacher_forced_steps(reference, p, g)
+                                     for p, g in zip(PROMPTS, result["greedy_generator"])]
+        result["transformers_steps"] = [teacher_forced_steps(reference, p, g)
+                                        for p, g in zip(PROMPTS, result["greedy_transformers"])]
+
+    result.update(change_weights_by_a_train_step(trainer, generator, rank))
+    train_logp_2 = trainer_logprobs(trainer, SEQUENCES)
+    result["trainer_moved"] = max_abs_diff(train_logp, train_logp_2)
+    if rank == 0:
+        result["before_sync2_max_diff"] = max_abs_diff(train_logp_2, generator.score(SEQUENCES))
+    report = sync.sync()
+    result["sync2_version"] = report.version
+    if rank == 0:
+        result["synced2_max_diff"] = max_abs_diff(train_logp_2, generator.score(SEQUENCES))
+        result["generator_version_2"] = generator.weight_version
+        result["server_version_2"] = generator.server_weight_version()
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    torch.distributed.barrier()
+    sync.close()
+    from megatron_rl.platform import destroy_distributed
+
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
