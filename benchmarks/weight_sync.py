@@ -45,6 +45,8 @@ def save_model(directory: Path, hidden: int, layers: int, vocab: int) -> int:
 
 
 def worker(args) -> None:
+    import statistics
+
     import torch.distributed as dist
     from _hf_families import family_for
 
@@ -54,46 +56,57 @@ def worker(args) -> None:
     from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
 
     family = family_for(args.model_dir)
-    trainer = RLTrainer(TrainerSettings(
-        model_name="bench", model_size="-", precision="fp32",
-        layout=ParallelLayout(tensor_model_parallel_size=2),
-        optimizer=OptimizerSettings(use_distributed_optimizer=False)), family=family)
     generator = SGLangGenerator(args.url, request_timeout_s=600)
-    rows = []
-    for bucket_mb in [int(b) for b in args.buckets.split(",")]:
-        sync = WeightSync(trainer.model, family.weight_groups(), [generator],
-                          WeightSyncSettings(bucket_bytes=bucket_mb * 2**20, timeout_s=600,
-                                             pause_mode=None),
-                          hf_vocab_size=family.hf_config.vocab_size)
-        sync.sync()  # warm-up: group creation, first-touch allocations
-        report = sync.sync()
-        num_bytes = torch.tensor([report.num_bytes])
-        dist.broadcast(num_bytes, src=0)
-        raw_s = raw_broadcast_seconds(int(num_bytes), bucket_mb * 2**20)
-        if dist.get_rank() == 0:
-            rows.append(dict(bucket_mb=bucket_mb, num_bytes=report.num_bytes,
-                             num_buckets=report.num_buckets, sync_s=report.seconds,
-                             raw_s=raw_s, gather_s=report.gather_s, convert_s=report.convert_s,
-                             transfer_s=report.transfer_s, load_s=report.load_s,
-                             control_s=report.control_s))
-        sync.close()
+    rows, raw_buffers = [], {}
+    for tp in [int(t) for t in args.tp.split(",")]:
+        # 2 trainer ranks either way (TP1: two data-parallel replicas, one of them sends).
+        trainer = RLTrainer(TrainerSettings(
+            model_name="bench", model_size="-", precision="fp32",
+            layout=ParallelLayout(tensor_model_parallel_size=tp),
+            optimizer=OptimizerSettings(use_distributed_optimizer=False)), family=family)
+        for bucket_mb in [int(b) for b in args.buckets.split(",")]:
+            sync = WeightSync(trainer.model, family.weight_groups(), [generator],
+                              WeightSyncSettings(bucket_bytes=bucket_mb * 2**20, timeout_s=600),
+                              hf_vocab_size=family.hf_config.vocab_size)
+            sync.sync()  # warm-up: group creation, first-touch allocations
+            reports, raws = [], []
+            for _ in range(args.repeats):  # alternate, so that noise hits both alike
+                reports.append(sync.sync())
+                num_bytes = torch.tensor([reports[-1].num_bytes])
+                dist.broadcast(num_bytes, src=0)
+                raws.append(raw_broadcast_seconds(int(num_bytes), bucket_mb * 2**20,
+                                                  raw_buffers))
+            report = sorted(reports, key=lambda r: r.seconds)[len(reports) // 2]  # the median
+            if dist.get_rank() == 0:
+                rows.append(dict(tp=tp, bucket_mb=bucket_mb, num_bytes=report.num_bytes,
+                                 num_buckets=report.num_buckets, sync_s=report.seconds,
+                                 raw_s=statistics.median(raws), gather_s=report.gather_s,
+                                 convert_s=report.convert_s, transfer_s=report.transfer_s,
+                                 load_s=report.load_s, control_s=report.control_s))
+            sync.close()
+        del trainer
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(rows))
     dist.barrier()
 
 
-def raw_broadcast_seconds(num_bytes: int, bucket_bytes: int) -> float:
-    """Broadcast `num_bytes` from rank 0 to rank 1 (gloo, the trainer world) in buckets."""
+def raw_broadcast_seconds(num_bytes: int, bucket_bytes: int, buffers: dict) -> float:
+    """Broadcast `num_bytes` from rank 0 to rank 1 (gloo, the trainer world) in buckets, from and
+    into one warm buffer (allocated and touched before the clock starts: the best case)."""
     import torch.distributed as dist
 
-    buffer = torch.empty(min(bucket_bytes, num_bytes), dtype=torch.uint8)
+    size = min(bucket_bytes, num_bytes)
+    buffer = buffers.get(size)
+    if buffer is None:
+        buffer = buffers[size] = torch.ones(size, dtype=torch.uint8)
+        dist.broadcast(buffer, src=0)  # warm-up: connection and pages on both ranks
     dist.barrier()
     start = time.perf_counter()
     sent = 0
     while sent < num_bytes:
-        size = min(bucket_bytes, num_bytes - sent)
-        dist.broadcast(buffer[:size], src=0)
-        sent += size
+        chunk = min(bucket_bytes, num_bytes - sent)
+        dist.broadcast(buffer[:chunk], src=0)
+        sent += chunk
     dist.barrier()
     return time.perf_counter() - start
 
@@ -104,6 +117,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--buckets", default="64,256", help="bucket sizes in MiB")
+    parser.add_argument("--tp", default="1,2", help="trainer tensor-parallel sizes (2 ranks)")
+    parser.add_argument("--repeats", type=int, default=3, help="syncs (and raw broadcasts) "
+                        "per row; the table shows medians")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -128,7 +144,8 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                             "2", "--master-port", "29741", __file__, "--worker", "--model-dir",
                             str(model_dir), "--url", generator.url, "--out", str(out),
-                            "--buckets", args.buckets], check=True, env=env, cwd=ROOT,
+                            "--buckets", args.buckets, "--tp", args.tp,
+                            "--repeats", str(args.repeats)], check=True, env=env, cwd=ROOT,
                            timeout=1200)
             rows = json.loads(out.read_text())
         finally:
@@ -141,12 +158,12 @@ def print_table(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="weight sync vs raw gloo broadcast of the same bytes (same run)")
-    for column in ("bucket MiB", "MiB", "buckets", "sync MiB/s", "raw MiB/s", "ratio",
+    for column in ("TP", "bucket MiB", "MiB", "buckets", "sync MiB/s", "raw MiB/s", "ratio",
                    "gather s", "convert s", "transfer s", "load s", "control s", "sync s"):
         table.add_column(column, justify="right")
     for row in rows:
         mib = row["num_bytes"] / 2**20
-        table.add_row(str(row["bucket_mb"]), f"{mib:.0f}", str(row["num_buckets"]),
+        table.add_row(str(row["tp"]), str(row["bucket_mb"]), f"{mib:.0f}", str(row["num_buckets"]),
                       f"{mib / row['sync_s']:.0f}", f"{mib / row['raw_s']:.0f}",
                       f"{row['raw_s'] / row['sync_s']:.2f}x", f"{row['gather_s']:.2f}",
                       f"{row['convert_s']:.2f}", f"{row['transfer_s']:.2f}",
