@@ -56,7 +56,7 @@ def apply_sglang_cpu_fixes() -> bool:
         os.environ.update(sglang_cpu_environment())
         _install_sgl_kernel_stand_in()
         _install_torchvision_stand_in()
-        _patch_native_moe_on_import()
+        _patch_on_import("sglang.srt.layers.moe.fused_moe_native", _patch_native_moe)
         _patch_on_import("sglang.srt.models.llama4", _patch_llama4_rope)
         _patch_on_import("sglang.srt.layers.attention.torch_native_backend",
                          _patch_torch_native_chunked_attention)
@@ -170,32 +170,9 @@ def _native_moe_with_input_weights(forward):
     return wrapped
 
 
-class _PatchNativeMoe(importlib.abc.MetaPathFinder):
-    # SGLang imports fused_moe_native lazily (inside forward); patch it when it first loads
-    # rather than importing SGLang from here.
-    target = "sglang.srt.layers.moe.fused_moe_native"
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.target:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        original_exec = spec.loader.exec_module
-
-        def exec_module(module):
-            original_exec(module)
-            module.moe_forward_native = _native_moe_with_input_weights(module.moe_forward_native)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-def _patch_native_moe_on_import() -> None:
-    module = sys.modules.get(_PatchNativeMoe.target)
-    if module is not None:
-        module.moe_forward_native = _native_moe_with_input_weights(module.moe_forward_native)
-    else:
-        sys.meta_path.insert(0, _PatchNativeMoe())
+def _patch_native_moe(module) -> None:
+    # SGLang imports fused_moe_native lazily (inside forward): patched when it first loads.
+    module.moe_forward_native = _native_moe_with_input_weights(module.moe_forward_native)
 
 
 # 6. Llama-4 RoPE on the CPU path. SGLang's Llama4Attention calls `self.rotary_emb(positions, q,

@@ -102,12 +102,27 @@ class SGLangServerSettings:
             args += ["--attention-backend", attention_backend]
         if device == "cpu":
             args.append("--disable-cuda-graph")  # no CUDA graphs without CUDA
+            if _uses_chunked_attention(self.model_path):
+                # The CPU attention backend reads a separate sliding-window KV pool with the
+                # wrong slot indices (platform/sglang_cpu.py, fix 7): one pool for all layers.
+                args.append("--disable-hybrid-swa-memory")
         for flag, value in (("--mem-fraction-static", self.mem_fraction_static),
                             ("--max-total-tokens", self.max_total_tokens),
                             ("--context-length", self.context_length)):
             if value is not None:
                 args += [flag, str(value)]
         return args + list(self.extra_args)
+
+
+def _uses_chunked_attention(model_path: str) -> bool:
+    """Whether the HF config (or its text_config) sets attention_chunk_size (Llama-4)."""
+    import json
+
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    return any(c.get("attention_chunk_size") for c in (config, config.get("text_config") or {}))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -87,6 +87,17 @@ def rl_overrides(layout: ParallelLayout) -> dict[str, Any]:
     }
 
 
+def cpu_overrides() -> dict[str, Any]:
+    """TransformerConfig fields for a CPU-only machine. Megatron initialises TP-split weights on
+    the device under per-rank CUDA RNG streams; without CUDA those streams do not exist and every
+    TP rank drew the same shard (q_proj's halves equal, lm_head's vocabulary halves equal).
+    Initialising on the CPU builds each full weight from one RNG and splits it, so a TP2 model
+    starts from exactly the TP1 model's weights."""
+    import torch
+
+    return {} if torch.cuda.is_available() else {"use_cpu_initialization": True}
+
+
 def build_model(family, size: str, layout: ParallelLayout, groups: ParallelGroups, *,
                 precision: PrecisionChoice, use_distributed_optimizer: bool = True,
                 config_overrides: dict[str, Any] | None = None):
@@ -100,7 +111,8 @@ def build_model(family, size: str, layout: ParallelLayout, groups: ParallelGroup
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    overrides = {**precision.overrides, **rl_overrides(layout), **(config_overrides or {})}
+    overrides = {**precision.overrides, **rl_overrides(layout), **cpu_overrides(),
+                 **(config_overrides or {})}
     config = family.transformer_config(
         size, use_transformer_engine=precision.use_transformer_engine, **overrides)
     if getattr(config, "use_mup", False):

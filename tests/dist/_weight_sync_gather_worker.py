@@ -17,20 +17,13 @@ import sys
 import torch
 import torch.distributed as dist
 
+from _trainer_worker import LAYOUTS  # noqa: E402  (the layouts every dist test uses)
+
 from megatron_rl.platform import destroy_distributed  # noqa: E402
 from megatron_rl.rollout.generator import Generator  # noqa: E402
 from megatron_rl.trainer import (OptimizerSettings, ParallelLayout, RLTrainer,  # noqa: E402
                                  TrainerSettings)
 
-LAYOUTS = {
-    "tp1_ep1_pp1": ParallelLayout(),
-    "tp2_sp": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True),
-    "ep2": ParallelLayout(expert_model_parallel_size=2),
-    "pp2": ParallelLayout(pipeline_model_parallel_size=2),
-    "tp2_ep2_pp2_sp": ParallelLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                                     expert_tensor_parallel_size=1,
-                                     pipeline_model_parallel_size=2, sequence_parallel=True),
-}
 BUCKET_BYTES = 96 * 1024  # the tiny model is ~1.3 MB: about a dozen buckets
 
 
@@ -113,12 +106,13 @@ def gather_to_rank0(item) -> list:
     return items
 
 
-def run_layout(name: str, layout: ParallelLayout, init_dir: str, groups, hf,
+def run_layout(name: str, layout: ParallelLayout, init_dir: str | None, groups, hf,
                reference: dict, dtype: torch.dtype | None = None) -> dict:
     from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
 
     trainer = build(layout)
-    trainer.load_checkpoint(init_dir, load_optimizer=False)
+    if init_dir is not None:  # else: the trainer's own initialisation from the same seed
+        trainer.load_checkpoint(init_dir, load_optimizer=False)
     generator = RecordingGenerator()
     sync = WeightSync(trainer.model, groups, [generator], WeightSyncSettings(
         transport="tensor", bucket_bytes=BUCKET_BYTES, dtype=dtype, pause_mode="in_place"),
@@ -154,6 +148,10 @@ def main() -> None:
            "layouts": {}}
     for name, layout in LAYOUTS.items():
         out["layouts"][name] = run_layout(name, layout, init_dir, groups, hf, reference)
+    # No checkpoint: a TP2 trainer initialised from the same seed starts from the TP1 weights
+    # (on CPU the trainer initialises full weights and splits them; see cpu_overrides).
+    out["layouts"]["tp2_sp_fresh"] = run_layout("tp2_sp_fresh", LAYOUTS["tp2_sp"], None,
+                                                groups, hf, reference)
     out["layouts"]["tp2_ep2_pp2_sp_bf16"] = run_layout(
         "tp2_ep2_pp2_sp_bf16", LAYOUTS["tp2_ep2_pp2_sp"], init_dir, groups, hf, reference,
         dtype=torch.bfloat16)

@@ -6,7 +6,9 @@ TP2 x EP2 x PP2 + SP, a sync to a recording in-process generator on each stage's
 tensor transport, ~a dozen small buckets, two reused bucket buffers) must deliver every HF tensor
 exactly once, bit-exact, in its HF shape; with dtype=bf16 every tensor arrives as the rounded
 reference. Only senders send; the coordinator (rank 0) wraps the update in pause / begin / end /
-flush / resume. See tests/dist/_weight_sync_gather_worker.py.
+flush / resume. And without any checkpoint, a TP2 trainer initialised from the same seed holds
+exactly the TP1 weights (on CPU every TP rank once drew the same shard). See
+tests/dist/_weight_sync_gather_worker.py.
 """
 import json
 from pathlib import Path
@@ -26,7 +28,7 @@ def result(tmp_path_factory, torchrun) -> dict:
     return json.loads((out_dir / "result.json").read_text())
 
 
-@pytest.mark.parametrize("layout", FP32_LAYOUTS + ("tp2_ep2_pp2_sp_bf16",))
+@pytest.mark.parametrize("layout", FP32_LAYOUTS + ("tp2_sp_fresh", "tp2_ep2_pp2_sp_bf16"))
 def test_every_hf_tensor_arrives_once_and_exact(result, layout):
     ranks = result["layouts"][layout]["ranks"]
     senders = [r for r in ranks if r["sender"]]

@@ -63,8 +63,7 @@ def sync_result(tmp_path_factory) -> dict:
     server = SGLangServer.launch(SGLangServerSettings(
         model_path=str(save_tiny_llama4(directory / "model")), dtype="bfloat16",
         mem_fraction_static=0.05, max_total_tokens=8192, startup_timeout_s=240,
-        request_timeout_s=120, log_path=str(directory / "server.log"),
-        extra_args=("--disable-hybrid-swa-memory",)), wait=False)
+        request_timeout_s=120, log_path=str(directory / "server.log")), wait=False)
     out, log_path = directory / "result.json", directory / "trainer.log"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", str(HERE / "_llama4_sync_worker.py"),

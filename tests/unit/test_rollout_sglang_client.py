@@ -35,6 +35,13 @@ def test_server_args_map_our_config_and_fp32_head_is_on_by_default(tmp_path):
                                sleep_on_idle=False)
     assert "--enable-fp32-lm-head" not in off.server_args(port=1)
     assert "--sleep-on-idle" not in off.server_args(port=1)
+    assert "--disable-hybrid-swa-memory" not in args
+    # Chunked local attention (Llama-4, in text_config) on CPU: one KV pool (sglang_cpu fix 7).
+    (tmp_path / "config.json").write_text('{"text_config": {"attention_chunk_size": 8192}}')
+    chunked = SGLangServerSettings(model_path=str(tmp_path), device="cpu")
+    assert "--disable-hybrid-swa-memory" in chunked.server_args(port=1)
+    gpu = SGLangServerSettings(model_path=str(tmp_path), device="cuda")
+    assert "--disable-hybrid-swa-memory" not in gpu.server_args(port=1)
     with pytest.raises(ValueError, match="ep_size must divide tp_size"):
         SGLangServerSettings(model_path=str(tmp_path), tp_size=2, ep_size=4)
     with pytest.raises(FileNotFoundError, match="config.json"):
