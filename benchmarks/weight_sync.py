@@ -1,8 +1,9 @@
 """Weight-sync throughput: a full trainer -> generator sync vs a raw torch.distributed broadcast
 of the same number of bytes, measured in the same run.
 
-Setup: a Llama-3-style HF model of a few hundred MB (fp32) served by one SGLang CPU server; a
-2-rank Megatron trainer (TP2, torchrun) built from the same HF config. The full sync gathers the TP
+Setup: a dense Llama-3 HF model of a few hundred MB (fp32; the models registry's "llama" family,
+its tiny config resized) served by one SGLang CPU server; a 2-rank Megatron trainer (TP2,
+torchrun) built by that family from the same HF config. The full sync gathers the TP
 shards, converts names and layouts with the mapping, packs buckets and broadcasts them over the
 gloo weight-update group to the server, which loads them. The baseline broadcasts the same bytes,
 in the same bucket sizes, from trainer rank 0 to trainer rank 1 over gloo (one sender, one
@@ -26,17 +27,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "integration"))  # the tiny-family helpers
 
 
 def save_model(directory: Path, hidden: int, layers: int, vocab: int) -> int:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=hidden // 128, head_dim=64,
-                         max_position_embeddings=512, tie_word_embeddings=False,
-                         initializer_range=0.02)
+    from models import get_model_family
+
+    family = get_model_family("llama")
+    config = family.converter().hf_text_config_from_dict(dict(
+        family.hf_config("tiny"), vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128, head_dim=64,
+        initializer_range=0.02))
     with torch.device("meta"):
         num_params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     model = LlamaForCausalLM(config)
@@ -48,14 +51,15 @@ def worker(args) -> None:
     import statistics
 
     import torch.distributed as dist
-    from _hf_families import family_for
 
     from megatron_rl.rollout import SGLangGenerator
     from megatron_rl.trainer import (OptimizerSettings, ParallelLayout, RLTrainer,
                                      TrainerSettings)
     from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
+    from models import model_family_for_hf_config
 
-    family = family_for(args.model_dir)
+    family = model_family_for_hf_config(json.loads((Path(args.model_dir) / "config.json")
+                                                   .read_text()))
     generator = SGLangGenerator(args.url, request_timeout_s=600)
     rows, raw_buffers = [], {}
     for tp in [int(t) for t in args.tp.split(",")]:

@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 # Used only when the models/ registry is not importable; the registry is the source of truth.
-MODEL_FAMILIES = ("llama4", "qwen3_moe")
+MODEL_FAMILIES = ("llama", "llama4", "qwen3_moe")
 # Families whose layers include MoE blocks: Megatron needs sequence parallelism with TP > 1 there.
 MOE_MODEL_FAMILIES = frozenset({"llama4", "qwen3_moe"})
 INTERRUPTION_PHRASE = (
@@ -197,9 +197,10 @@ class ModelConfig:
 
     SECTION: ClassVar[str] = "model"
 
-    name: str = _field("llama4", "model family registered in models/: llama4 or qwen3_moe")
-    size: str = _field("tiny", "size variant of the family (llama4: tiny, scout, maverick; "
-                       "qwen3_moe: tiny, 30b_a3b)")
+    name: str = _field("llama4", "model family registered in models/: llama (dense Llama-3), "
+                       "llama4 or qwen3_moe")
+    size: str = _field("tiny", "size variant of the family (llama: tiny, llama3_8b; llama4: tiny, "
+                       "scout, maverick; qwen3_moe: tiny, 30b_a3b)")
     hf_checkpoint: str | None = _field(None, "Hugging Face checkpoint directory to start from; "
                                        "null = random initialisation (tests, tiny runs)")
     params_dtype: Literal["bfloat16", "float32"] = _field(
@@ -602,6 +603,9 @@ class RunConfig:
                  f"parallelism.sequence_parallel: MoE model {self.model.name!r} with "
                  f"tensor_model_parallel_size={par.tensor_model_parallel_size} needs "
                  "sequence parallelism; set parallelism.sequence_parallel=true")
+        _require(self.model.name in MOE_MODEL_FAMILIES or par.expert_model_parallel_size == 1,
+                 f"parallelism.expert_model_parallel_size: dense model {self.model.name!r} has no "
+                 f"experts to split (got {par.expert_model_parallel_size}); set it to 1")
 
     @property
     def prompts_per_step(self) -> int:

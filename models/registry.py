@@ -1,10 +1,12 @@
 """The registry of model families: one name -> one per-model folder under models/.
 
-A `ModelFamily` names a family ("llama4", "qwen3_moe"), its sizes and the Hugging Face
+A `ModelFamily` names a family ("llama", "llama4", "qwen3_moe"), its sizes and the Hugging Face
 architectures it converts from, and forwards the Megatron-facing calls (config factory, layer
 spec, GPTModel kwargs, model build, HF config) to that family's package, imported on first use.
 Nothing here switches on substrings of model names: callers look a family up by its exact
 registered name, and an unknown name is an error that lists the registered ones.
+`HFConfigFamily` binds a family to one Hugging Face config of any size (a checkpoint's config.json
+rather than a registered size) and offers the same trainer-facing calls over the family's converter.
 
 Importing this module does not import Megatron: family packages are imported lazily, after
 `megatron_rl.platform.activate_cpu_compat()` (a no-op on GPU machines) has put the CPU shims in
@@ -80,6 +82,12 @@ _FAMILIES: dict[str, ModelFamily] = {
     family.name: family
     for family in (
         ModelFamily(
+            name="llama",
+            sizes=("tiny", "llama3_8b"),
+            hf_architectures=("LlamaForCausalLM",),
+            module="models.llama",
+        ),
+        ModelFamily(
             name="llama4",
             sizes=("tiny", "tiny_maverick", "scout", "maverick"),
             hf_architectures=("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
@@ -93,6 +101,44 @@ _FAMILIES: dict[str, ModelFamily] = {
         ),
     )
 }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class HFConfigFamily:
+    """A family bound to one HF config (`hf_config`: the family's transformers text config).
+
+    `transformer_config` / `build_model` have ModelFamily's signatures (the size argument is
+    ignored: the config is the size), so RLTrainer accepts it as `family=`; `weight_groups()` is
+    the config's HF <-> Megatron mapping (for WeightSync). Local spec only: the converters build
+    megatron-core's local modules.
+    """
+
+    family: ModelFamily
+    hf_config: Any
+
+    def transformer_config(self, size: str | None = None, *, use_transformer_engine: bool = False,
+                           **overrides: Any):
+        del size
+        self._check_local(use_transformer_engine)
+        return self.family.converter().megatron_config(self.hf_config, **overrides)
+
+    def build_model(self, config, *, pre_process: bool, post_process: bool,
+                    use_transformer_engine: bool = False, vp_stage: int | None = None):
+        self._check_local(use_transformer_engine)
+        if vp_stage is not None:
+            raise NotImplementedError("HFConfigFamily builds no virtual pipeline stages")
+        return self.family.converter().build_model(self.hf_config, config,
+                                                   pre_process=pre_process,
+                                                   post_process=post_process)
+
+    def weight_groups(self) -> list:
+        return self.family.converter().weight_groups(self.hf_config)
+
+    def _check_local(self, use_transformer_engine: bool) -> None:
+        if use_transformer_engine:
+            raise NotImplementedError(
+                f"{self.family.name} from an HF config builds the local (CPU) spec only; use a "
+                f"registered size ({', '.join(self.family.sizes)}) for Transformer Engine")
 
 
 def list_model_families() -> tuple[str, ...]:
@@ -115,3 +161,14 @@ def model_family_for_hf_architecture(architecture: str) -> ModelFamily:
             return family
     known = sorted(a for f in _FAMILIES.values() for a in f.hf_architectures)
     raise ValueError(f"no model family converts HF architecture {architecture!r}; known: {known}")
+
+
+def model_family_for_hf_config(config: dict[str, Any]) -> HFConfigFamily:
+    """The family of a config.json's content (by its "architectures"), bound to that config
+    (for a multimodal config.json, to its text config)."""
+    architectures = config.get("architectures") or []
+    if len(architectures) != 1:
+        raise ValueError(f"config.json names architectures {architectures}; expected exactly one")
+    family = model_family_for_hf_architecture(architectures[0])
+    return HFConfigFamily(family=family,
+                          hf_config=family.converter().hf_text_config_from_dict(config))

@@ -96,6 +96,17 @@ class SyncReport:
     def bytes_per_s(self) -> float:
         return self.num_bytes / max(self.seconds, 1e-9)
 
+    def metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
+        """Scalars for TensorBoard / logs (meaningful on a stage's sender; the coordinator's
+        report carries the control time)."""
+        return {f"{prefix}{name}": float(value) for name, value in (
+            ("version", self.version), ("seconds", self.seconds),
+            ("gib", self.num_bytes / 2**30), ("gib_per_s", self.bytes_per_s / 2**30),
+            ("buckets", self.num_buckets), ("gather_s", self.gather_s),
+            ("convert_s", self.convert_s), ("transfer_s", self.transfer_s),
+            ("load_s", self.load_s), ("control_s", self.control_s),
+            ("cache_flushed", self.cache_flushed))}
+
 
 class WeightSync:
     """See the module docstring. `model` is this rank's (DDP / Float16Module wrapped) chunk."""

@@ -69,10 +69,13 @@ def main() -> None:
                  and parallel_state.get_data_parallel_rank() == 0)
         for case in spec["cases"]:
             family = models.get_model_family(case["family"])
-            config = family.transformer_config(
-                case["size"], tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                pipeline_model_parallel_size=pp, expert_tensor_parallel_size=1,
-                sequence_parallel=tp > 1, **case["overrides"])
+            layout = dict(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                          sequence_parallel=tp > 1)
+            if family.transformer_config(case["size"], **case["overrides"]).num_moe_experts:
+                # Megatron refuses expert parallelism without experts: a dense model's EP ranks
+                # are data-parallel replicas.
+                layout.update(expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+            config = family.transformer_config(case["size"], **layout, **case["overrides"])
             model = family.build_model(
                 config, pre_process=parallel_state.is_pipeline_first_stage(),
                 post_process=parallel_state.is_pipeline_last_stage()).eval()

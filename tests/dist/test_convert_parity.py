@@ -7,7 +7,8 @@ configs, weights randomised incl. norms, saved with save_pretrained) are convert
 launch (_convert_worker.py) loads each checkpoint at every layout and saves the logits of fixed
 input ids. Cases: Llama-4 "tiny" (every layer MoE, 4 experts, shared expert, q/k L2 norm, llama3
 RoPE, chunked attention), Llama-4 "tiny_maverick" with 8 experts (dense/MoE interleave step 2),
-Qwen3-MoE "tiny" (top-2 softmax router, no shared expert, q/k RMSNorm). All fp32; tolerance: max
+Qwen3-MoE "tiny" (top-2 softmax router, no shared expert, q/k RMSNorm), dense Llama-3 "tiny" (GQA,
+SwiGLU, llama3 RoPE scaling; EP has no experts to split there). All fp32; tolerance: max
 |diff| < 1e-4 x max(1, max |logit|) (only reduction order differs from transformers). The same
 launch re-saves every model at (1, 2, 2) as the trainer would; converting that back to HF must
 give the original weights bit-exactly.
@@ -33,6 +34,7 @@ CASES = {
     "llama4_maverick_8e": ("llama4", "tiny_maverick", {"num_local_experts": 8},
                            {"num_moe_experts": 8}),
     "qwen3_moe_tiny": ("qwen3_moe", "tiny", {}, {}),
+    "llama_tiny": ("llama", "tiny", {}, {}),
 }
 
 
@@ -40,7 +42,7 @@ CASES = {
 
 def _tiny_hf_model(family_name: str, size: str, overrides: dict, seed: int):
     import models
-    from transformers import Llama4ForCausalLM, Qwen3MoeForCausalLM
+    import transformers
 
     family = models.get_model_family(family_name)
     config = family.hf_config(size)
@@ -48,7 +50,7 @@ def _tiny_hf_model(family_name: str, size: str, overrides: dict, seed: int):
         config.pop(derived, None)
     hf_config = family.converter().hf_text_config_from_dict({**config, **overrides})
     hf_config._attn_implementation = "eager"
-    cls = Llama4ForCausalLM if family_name == "llama4" else Qwen3MoeForCausalLM
+    cls = getattr(transformers, family.hf_architectures[0])  # the CausalLM class
     torch.manual_seed(seed)
     model = cls(hf_config).eval()
     generator = torch.Generator().manual_seed(seed)

@@ -1,20 +1,15 @@
-"""Tiny Hugging Face models for the SGLang / weight-sync tests, and "model families" that build the
-trainer's Megatron model from the same HF config.
+"""Tiny Hugging Face models for the SGLang / weight-sync tests, and the models-registry family
+that builds the trainer's Megatron model from the same HF config.
 
 - `save_tiny_llama(dir)` / `save_tiny_qwen3_moe(dir)`: random transformers models saved with
   save_pretrained (safetensors), plus a byte-level BPE tokenizer trained locally.
 - `save_tiny_llama4(dir)`: the llama4 family's "tiny" text model in bf16, saved in the layout
   SGLang serves Llama-4 from (Llama4ForConditionalGeneration, text weights only).
-- `HFConfigFamily(converter, hf_config)`: the models-registry interface (`transformer_config`,
-  `build_model`) over a converter module (`megatron_config`, `build_model`, `weight_groups`);
-  RLTrainer accepts it as `family=`.
-- `llama_converter`: a Llama-3-style (dense, GQA, SwiGLU, RoPE rotate-half) HF <-> Megatron mapping
-  built from models/convert_common.py's pieces; the models registry has no dense Llama family, so
-  it lives here for the tests.
+- `family_for(dir)`: `models.model_family_for_hf_config` of the saved config.json (the "llama",
+  "llama4" or "qwen3_moe" family bound to that config); RLTrainer accepts it as `family=`.
 """
 from __future__ import annotations
 
-import types
 from pathlib import Path
 
 import torch
@@ -105,85 +100,11 @@ def save_tiny_llama4(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-class HFConfigFamily:
-    """The models-registry interface over a converter module and one HF config."""
-
-    def __init__(self, converter, hf_config):
-        self.converter = converter
-        self.hf_config = hf_config
-
-    def transformer_config(self, size, *, use_transformer_engine=False, **overrides):
-        del size, use_transformer_engine
-        return self.converter.megatron_config(self.hf_config, **overrides)
-
-    def build_model(self, config, *, pre_process, post_process, use_transformer_engine=False,
-                    vp_stage=None):
-        return self.converter.build_model(self.hf_config, config, pre_process=pre_process,
-                                          post_process=post_process)
-
-    def weight_groups(self):
-        return self.converter.weight_groups(self.hf_config)
-
-
-def _llama_weight_groups(hf, *, prefix: str = ""):
-    from models.convert_common import (attention_groups, concatenated, decoder_weight_groups,
-                                       renamed)
-
-    def layer_groups(hf, layer: int, prefix: str):
-        h, m = f"{prefix}model.layers.{layer}.", f"decoder.layers.{layer}."
-        return attention_groups(hf, h, m) + [
-            concatenated((h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                         m + "mlp.linear_fc1.weight"),
-            renamed(h + "mlp.down_proj.weight", m + "mlp.linear_fc2.weight"),
-        ]
-
-    return decoder_weight_groups(hf, layer_groups, prefix=prefix)
-
-
-def _llama_megatron_config(hf, **overrides):
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    fields = dict(
-        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
-        ffn_hidden_size=hf.intermediate_size, num_attention_heads=hf.num_attention_heads,
-        num_query_groups=hf.num_key_value_heads, kv_channels=hf.head_dim,
-        normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, init_method_std=hf.initializer_range,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        use_cpu_initialization=True)
-    fields.update(overrides)
-    return TransformerConfig(**fields)
-
-
-def _llama_build_model(hf, config, *, pre_process=True, post_process=True):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    return GPTModel(config, spec, vocab_size=hf.vocab_size,
-                    max_sequence_length=hf.max_position_embeddings, pre_process=pre_process,
-                    post_process=post_process, position_embedding_type="rope",
-                    rotary_base=int(hf.rope_parameters["rope_theta"]),
-                    share_embeddings_and_output_weights=hf.tie_word_embeddings)
-
-
-llama_converter = types.SimpleNamespace(weight_groups=_llama_weight_groups,
-                                        megatron_config=_llama_megatron_config,
-                                        build_model=_llama_build_model)
-
-
-def family_for(model_dir: str) -> HFConfigFamily:
-    """The family of a tiny model saved by this module (by its config.json architecture)."""
+def family_for(model_dir: str):
+    """The registry family of a tiny model saved by this module, bound to its config.json (also
+    a multimodal one: Llama4ForConditionalGeneration binds its text config)."""
     import json
 
-    from transformers import AutoConfig
+    from models import model_family_for_hf_config
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    if config["architectures"] == ["LlamaForCausalLM"]:
-        return HFConfigFamily(llama_converter, AutoConfig.from_pretrained(model_dir))
-    from models import model_family_for_hf_architecture
-
-    converter = model_family_for_hf_architecture(config["architectures"][0]).converter()
-    # The text config, also inside a multimodal config.json (Llama4ForConditionalGeneration).
-    return HFConfigFamily(converter, converter.hf_text_config_from_dict(config))
+    return model_family_for_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))

@@ -163,6 +163,8 @@ def test_derived_parallel_sizes_and_paths():
      ["parallelism.sequence_parallel", "MoE", "sequence_parallel=true"]),
     (["parallelism.sequence_parallel=true"], ["parallelism.sequence_parallel",
                                               "tensor_model_parallel_size > 1"]),
+    (["model.name=llama", "parallelism.world_size=2", "parallelism.expert_model_parallel_size=2"],
+     ["parallelism.expert_model_parallel_size", "dense model 'llama'", "set it to 1"]),
     (["train.global_batch_size=770"], ["train.global_batch_size", "rollout.samples_per_prompt (16)",
                                        "use 768 or 784"]),
     (["train.micro_batch_max_tokens=4096"], ["train.micro_batch_max_tokens", "16384"]),
@@ -173,7 +175,7 @@ def test_derived_parallel_sizes_and_paths():
     (["algorithm.length_penalty_cache_length=20000"], ["algorithm.length_penalty_cache_length"]),
     (["rollout.mode=ppo_off_policy", "rollout.max_off_policyness=0"],
      ["rollout.max_off_policyness"]),
-    (["model.name=gpt5"], ["model.name", "llama4", "qwen3_moe"]),
+    (["model.name=gpt5"], ["model.name", "llama, llama4, qwen3_moe"]),
     (["model.size=huge"], ["model.size", "'huge'", "tiny"]),
 ])
 def test_errors_name_the_field_and_the_fix(overrides, expected):
@@ -224,9 +226,10 @@ def test_python_construction_is_validated_and_frozen():
 def test_model_name_falls_back_to_the_fixed_list_without_the_registry(monkeypatch):
     monkeypatch.setattr(config_module, "_model_registry", lambda: None)
     with pytest.raises(ConfigError,
-                       match=r"model\.name: .*llama4, qwen3_moe; did you mean 'llama4'"):
-        load_config(None, ["model.name=llama3"])
+                       match=r"model\.name: .*llama, llama4, qwen3_moe; did you mean 'llama4'"):
+        load_config(None, ["model.name=llama-4"])
     assert load_config(None, ["model.name=qwen3_moe"]).model.name == "qwen3_moe"
+    assert load_config(None, ["model.name=llama"]).model.name == "llama"
 
 
 def test_save_load_round_trip(tmp_path):

@@ -1,9 +1,9 @@
-"""Checkpoint conversion through files (megatron_rl/convert.py) on one process: HF -> Megatron ->
-HF reproduces every tensor bit-exactly with the same key set (Llama-4 interleave 1 and 2, 4 and 8
-experts, tied head; Qwen3-MoE with a dense layer), `--dtype` casts, multi-shard output with an
-index, the multimodal Llama-4 text part, `--validate`, and the errors users hit: missing and
-unexpected weights named, config/weights mismatch, unsupported architecture, non-empty output.
-Megatron-side parity at TP/EP/PP > 1 is in tests/dist/test_convert_parity.py.
+"""Checkpoint conversion through files (megatron_rl/convert.py) on one process: HF -> Megatron -> HF
+reproduces every tensor bit-exactly with the same key set (Llama-4 interleave 1 and 2, 4 and 8
+experts, tied head; Qwen3-MoE with a dense layer; dense Llama-3), `--dtype` casts, multi-shard
+output with an index, the multimodal Llama-4 text part, `--validate`, and the errors users hit:
+missing and unexpected weights named, config/weights mismatch, unsupported architecture, non-empty
+output. Megatron-side parity at TP/EP/PP > 1 is in tests/dist/test_convert_parity.py.
 """
 import json
 
@@ -20,14 +20,14 @@ pytestmark = pytest.mark.unit
 def _tiny_hf(directory, family_name: str, size: str, seed: int = 0, **overrides):
     """A random transformers model of a registered tiny size (+ HF config overrides), saved."""
     import models
-    from transformers import Llama4ForCausalLM, Qwen3MoeForCausalLM
+    import transformers
 
     family = models.get_model_family(family_name)
     config = family.hf_config(size)
     for derived in ("moe_layers", "no_rope_layers", "layer_types"):  # recomputed from overrides
         config.pop(derived, None)
     hf_config = family.converter().hf_text_config_from_dict({**config, **overrides})
-    cls = Llama4ForCausalLM if family_name == "llama4" else Qwen3MoeForCausalLM
+    cls = getattr(transformers, family.hf_architectures[0])  # the CausalLM class
     torch.manual_seed(seed)
     cls(hf_config).save_pretrained(directory)
     (directory / "tokenizer_config.json").write_text('{"model_max_length": 256}')
@@ -49,6 +49,7 @@ CASES = {
     "llama4_interleave2_8experts_tied": ("llama4", "tiny_maverick",
                                          {"num_local_experts": 8, "tie_word_embeddings": True}),
     "qwen3_moe_with_dense_layer": ("qwen3_moe", "tiny", {"mlp_only_layers": [2]}),
+    "llama_dense": ("llama", "tiny", {}),
 }
 
 
@@ -151,7 +152,8 @@ def test_unsupported_architecture_lists_supported_ones(tmp_path):
     (source / "config.json").write_text(json.dumps(config))
     with pytest.raises(convert.ConversionError, match="MixtralForCausalLM") as error:
         convert.convert_hf_to_megatron(source, tmp_path / "mg", progress=False)
-    assert "Llama4ForCausalLM" in str(error.value) and "Qwen3MoeForCausalLM" in str(error.value)
+    assert all(architecture in str(error.value) for architecture in (
+        "LlamaForCausalLM", "Llama4ForCausalLM", "Qwen3MoeForCausalLM"))
 
 
 def test_cli_refuses_a_non_empty_output_unless_overwrite(tmp_path, capsys):

@@ -4,7 +4,7 @@ save_pretrained writes, and mapping round trips bit-exact on real saved weights.
 
 Covered: Llama-4 with MoE interleave step 1 and 2, 2 / 4 / 8 experts, tied and untied embeddings
 (always a shared expert, as in HF's Llama-4); Qwen3-MoE with dense layers (mlp_only_layers,
-decoder_sparse_step) and no shared expert.
+decoder_sparse_step) and no shared expert; dense Llama-3, tied and untied.
 """
 import pytest
 import torch
@@ -139,11 +139,42 @@ def test_qwen3_moe_mapping_covers_saved_weights_and_round_trips(tmp_path, overri
     assert all(torch.equal(back[n], t) for n, t in saved.items())
 
 
+def _llama_config(**overrides):
+    import models
+
+    family = models.get_model_family("llama")
+    return family.converter().hf_text_config_from_dict({**family.hf_config("tiny"), **overrides})
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama_mapping_covers_saved_weights_and_round_trips(tmp_path, tied):
+    from transformers import LlamaForCausalLM
+
+    hf = _llama_config(tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    saved = _save_and_read(LlamaForCausalLM(hf), tmp_path)
+    groups = _converter("llama").weight_groups(hf)
+    assert sorted(n for g in groups for n in g.hf_names) == sorted(saved)
+    megatron = convert_state_dict(groups, saved, to="megatron")
+    assert ("output_layer.weight" in megatron) != tied
+    fc1 = megatron["decoder.layers.2.mlp.linear_fc1.weight"]
+    gate = saved["model.layers.2.mlp.gate_proj.weight"]
+    up = saved["model.layers.2.mlp.up_proj.weight"]
+    assert torch.equal(fc1, torch.cat([gate, up]))  # GLU rows: gate first, then up
+    qkv = megatron["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert qkv.shape == ((hf.num_attention_heads + 2 * hf.num_key_value_heads) * hf.head_dim,
+                         hf.hidden_size)
+    back = convert_state_dict(groups, megatron, to="hf")
+    assert sorted(back) == sorted(saved)
+    assert all(torch.equal(back[n], t) for n, t in saved.items())
+
+
 def test_weight_groups_name_each_tensor_once():
     llama4_groups = _converter("llama4").weight_groups
     qwen3_groups = _converter("qwen3_moe").weight_groups
+    llama_groups = _converter("llama").weight_groups
     for groups in (llama4_groups(_llama4_config(interleave_moe_layer_step=2)),
-                   qwen3_groups(_qwen3_config())):
+                   qwen3_groups(_qwen3_config()), llama_groups(_llama_config())):
         assert all(isinstance(g, WeightGroup) for g in groups)
         hf_names = [n for g in groups for n in g.hf_names]
         mg_names = [n for g in groups for n in g.megatron_names]

@@ -1,10 +1,10 @@
 """Model-family registry, config factories, parameter counts, FP8 fields and spec selection.
 
-References: published model sizes (Meta: Scout 109B total / 17B active, Maverick 400B / 17B;
-Qwen: Qwen3-30B-A3B 30.5B / 3.3B), transformers' own models instantiated on the meta device
-(exact parameter counts without memory), megatron-core 0.19.2's TransformerConfig field types, and
-Megatron models actually built at tiny size. Nothing here starts a process group except the
-tiny-model count check.
+References: published model sizes (Meta: Llama-3.1-8B 8.03B, Scout 109B total / 17B active, Maverick
+400B / 17B; Qwen: Qwen3-30B-A3B 30.5B / 3.3B), transformers' own models instantiated on the meta
+device (exact parameter counts without memory) and RoPE frequencies, megatron-core 0.19.2's
+TransformerConfig field types, and Megatron models actually built at tiny size. Nothing here starts
+a process group except the tiny-model count check.
 """
 import dataclasses
 import typing
@@ -26,16 +26,21 @@ def models_pkg():
 
 
 def test_registry_names_and_unknown_name_error(models_pkg):
-    assert models_pkg.list_model_families() == ("llama4", "qwen3_moe")
+    assert models_pkg.list_model_families() == ("llama", "llama4", "qwen3_moe")
     llama4 = models_pkg.get_model_family("llama4")
     assert llama4.sizes == ("tiny", "tiny_maverick", "scout", "maverick")
     assert llama4.hf_architectures == ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
     assert models_pkg.get_model_family("qwen3_moe").hf_architectures == ("Qwen3MoeForCausalLM",)
-    with pytest.raises(ValueError, match="supported families: llama4, qwen3_moe"):
+    llama = models_pkg.get_model_family("llama")
+    assert (llama.sizes, llama.hf_architectures) == (("tiny", "llama3_8b"), ("LlamaForCausalLM",))
+    with pytest.raises(ValueError, match="supported families: llama, llama4, qwen3_moe"):
         models_pkg.get_model_family("llama-4-scout")
     with pytest.raises(ValueError, match=r"no size 'huge'.*\('tiny', 'tiny_maverick'"):
         llama4.transformer_config("huge")
+    with pytest.raises(ValueError, match=r"no size '8b'.*\('tiny', 'llama3_8b'\)"):
+        llama.transformer_config("8b")
     assert models_pkg.model_family_for_hf_architecture("Qwen3MoeForCausalLM").name == "qwen3_moe"
+    assert models_pkg.model_family_for_hf_architecture("LlamaForCausalLM").name == "llama"
 
 
 def test_unknown_override_is_a_clear_error(models_pkg):
@@ -98,9 +103,103 @@ def test_qwen3_30b_a3b_config_facts(models_pkg):
     assert family.model_kwargs("30b_a3b")["vocab_size"] == 151936
 
 
+def test_llama3_8b_config_facts(models_pkg):
+    family = models_pkg.get_model_family("llama")
+    c = family.transformer_config("llama3_8b")
+    assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels,
+            c.ffn_hidden_size) == (32, 4096, 32, 8, 128, 14336)
+    assert c.gated_linear_unit and not c.add_bias_linear and not c.add_qkv_bias
+    assert not c.rotary_interleaved and not c.qk_layernorm and c.num_moe_experts is None
+    assert c.normalization == "RMSNorm" and c.layernorm_epsilon == 1e-5
+    assert c.params_dtype == torch.bfloat16 and c.bf16
+    assert (c.model_family, c.model_size) == ("llama", "llama3_8b")
+    assert family.model_kwargs("llama3_8b") == dict(
+        vocab_size=128256, max_sequence_length=131072, share_embeddings_and_output_weights=False,
+        position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0, rope_scaling=True,
+        rope_scaling_factor=8.0)
+    hf = family.hf_config("llama3_8b")
+    assert hf["architectures"] == ["LlamaForCausalLM"]
+    assert hf["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192}
+    tiny = family.transformer_config("tiny")
+    assert (tiny.num_layers, tiny.hidden_size, tiny.num_query_groups) == (4, 64, 2)
+    assert tiny.params_dtype == torch.float32 and not tiny.bf16
+
+
+@pytest.mark.parametrize("size", ["tiny", "llama3_8b"])
+def test_llama_rope_frequencies_equal_transformers(models_pkg, size):
+    # Megatron's own llama3 scaling (GPTModel rope_scaling) gives transformers' frequencies exactly.
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    family = models_pkg.get_model_family("llama")
+    hf = family._impl().hf_text_config(size)
+    kwargs = family.model_kwargs(size)
+    rope = RotaryEmbedding(kv_channels=hf.head_dim, rotary_percent=kwargs["rotary_percent"],
+                           rotary_base=kwargs["rotary_base"], rope_scaling=kwargs["rope_scaling"],
+                           rope_scaling_factor=kwargs["rope_scaling_factor"],
+                           use_cpu_initialization=True)
+    expected, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
+    assert attention_factor == 1.0 and torch.equal(rope.inv_freq, expected)
+    unscaled = 1.0 / 500000.0 ** (torch.arange(0, hf.head_dim, 2).float() / hf.head_dim)
+    # Not vacuous at either size: some frequencies kept, some smoothed, some divided by 8.
+    ratio = unscaled / expected
+    assert (ratio == 1).any() and torch.isclose(ratio, torch.tensor(8.0)).any()
+    assert ((ratio > 1.01) & (ratio < 7.99)).any()
+
+
+def test_llama_rope_configs_megatron_cannot_reproduce_are_errors(models_pkg):
+    from models.llama.config import rope_kwargs
+    from transformers import LlamaConfig
+
+    family = models_pkg.get_model_family("llama")
+    converter = family.converter()
+    base = family.hf_config("tiny")
+    llama3 = base["rope_parameters"]
+    # A Llama-3.1 config.json in the older layout (rope_theta + rope_scaling) maps the same way.
+    legacy = {k: v for k, v in base.items() if k != "rope_parameters"}
+    legacy.update(rope_theta=500000.0, rope_scaling={k: v for k, v in llama3.items()
+                                                     if k != "rope_theta"})
+    assert rope_kwargs(converter.hf_text_config_from_dict(legacy)) == rope_kwargs(
+        converter.hf_text_config_from_dict(base))
+    assert rope_kwargs(LlamaConfig(rope_theta=10000.0))["rope_scaling"] is False
+    unsupported = [
+        ({**llama3, "high_freq_factor": 1.0}, "fixes"),
+        ({**llama3, "original_max_position_embeddings": 4096}, "fixes"),
+        ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}, "RoPE type 'linear'"),
+        ({"rope_type": "default", "rope_theta": 10000.5}, "not an integer"),
+    ]
+    for rope, message in unsupported:
+        hf = converter.hf_text_config_from_dict({**base, "rope_parameters": rope})
+        with pytest.raises(NotImplementedError, match=message):
+            rope_kwargs(hf)
+        with pytest.raises(NotImplementedError, match=message):  # no model can be built from it
+            converter.build_model(hf, converter.megatron_config(hf))
+    with pytest.raises(NotImplementedError, match="mlp_bias"):
+        converter.megatron_config(converter.hf_text_config_from_dict({**base, "mlp_bias": True}))
+
+
+def test_family_bound_to_an_hf_config(models_pkg):
+    # A checkpoint's own config (not a registered size): what RLTrainer and WeightSync get.
+    from transformers import LlamaConfig
+
+    config = dict(models_pkg.get_model_family("llama").hf_config("tiny"), hidden_size=128,
+                  num_hidden_layers=3, vocab_size=300)
+    bound = models_pkg.model_family_for_hf_config(config)
+    assert bound.family.name == "llama" and isinstance(bound.hf_config, LlamaConfig)
+    c = bound.transformer_config("ignored", num_layers=2)
+    assert (c.hidden_size, c.num_layers, c.model_family) == (128, 2, "llama")
+    assert len(bound.weight_groups()) == 1 + 3 * 6 + 2  # embeddings, 6 per layer, norm, head
+    with pytest.raises(NotImplementedError, match="local"):
+        bound.transformer_config("ignored", use_transformer_engine=True)
+    with pytest.raises(ValueError, match="no model family converts HF architecture"):
+        models_pkg.model_family_for_hf_config({**config, "architectures": ["GPT2LMHeadModel"]})
+
+
 # (family, size, published total, published active), in billions.
-PUBLISHED = [("llama4", "scout", 109.0, 17.0), ("llama4", "maverick", 400.0, 17.0),
-             ("qwen3_moe", "30b_a3b", 30.5, 3.3)]
+PUBLISHED = [("llama", "llama3_8b", 8.03, 8.03), ("llama4", "scout", 109.0, 17.0),
+             ("llama4", "maverick", 400.0, 17.0), ("qwen3_moe", "30b_a3b", 30.5, 3.3)]
 
 
 @pytest.mark.parametrize("family_name,size,total_b,active_b", PUBLISHED)
@@ -117,15 +216,15 @@ def test_parameter_counts_match_published_sizes(models_pkg, family_name, size, t
     assert abs(active / 1e9 - active_b) / active_b < 0.02, active
 
 
-@pytest.mark.parametrize("family_name,size", [("llama4", "scout"), ("llama4", "maverick"),
-                                              ("qwen3_moe", "30b_a3b")])
+@pytest.mark.parametrize("family_name,size", [("llama", "llama3_8b"), ("llama4", "scout"),
+                                              ("llama4", "maverick"), ("qwen3_moe", "30b_a3b")])
 def test_parameter_formula_equals_transformers_model_on_meta_device(models_pkg, family_name, size):
+    import transformers
     from models.common import count_parameters
-    from transformers import Llama4ForCausalLM, Qwen3MoeForCausalLM
 
     family = models_pkg.get_model_family(family_name)
     impl = family._impl()
-    hf_cls = Llama4ForCausalLM if family_name == "llama4" else Qwen3MoeForCausalLM
+    hf_cls = getattr(transformers, family.hf_architectures[0])  # the CausalLM class
     with torch.device("meta"):
         hf_model = hf_cls(impl.hf_text_config(size))
     hf_total = sum(p.numel() for p in hf_model.parameters())
@@ -207,6 +306,14 @@ def test_transformer_engine_spec_names_te_modules(models_pkg):
             assert dense.submodules.input_layernorm is LNImpl
             assert block.submodules.layer_norm is LNImpl
             assert not config.moe_grouped_gemm
+    llama = models_pkg.get_model_family("llama")
+    block = llama.layer_spec(llama.transformer_config("tiny", use_transformer_engine=True),
+                             use_transformer_engine=True, pp_rank=0)
+    dense = block.submodules.layer_specs[0].submodules
+    assert dense.self_attention.submodules.core_attention is te_ext.TEDotProductAttention
+    assert dense.self_attention.submodules.linear_qkv is te_ext.TELayerNormColumnParallelLinear
+    assert dense.self_attention.submodules.q_layernorm is IdentityOp  # no q/k norm in Llama-3
+    assert dense.mlp.keywords["submodules"].linear_fc1 is te_ext.TELayerNormColumnParallelLinear
     qwen = models_pkg.get_model_family("qwen3_moe")
     block = qwen.layer_spec(qwen.transformer_config("tiny", use_transformer_engine=True),
                             use_transformer_engine=True, pp_rank=0)

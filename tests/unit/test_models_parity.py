@@ -6,7 +6,7 @@ what save_pretrained writes. Checked: the Llama-4 attention of a RoPE/chunked la
 temperature-tuned layer on a sequence longer than the chunk (20 tokens, chunk 8, floor_scale 4),
 whole decoder layers (MoE with shared expert and sigmoid top-1 router; dense MLP), and the whole
 tiny models' logits (Llama-4 "tiny" = Scout-like, "tiny_maverick" = dense/MoE interleave without
-q/k norm, Qwen3-MoE "tiny").
+q/k norm, Qwen3-MoE "tiny", dense Llama-3 "tiny" with llama3 RoPE scaling).
 """
 import os
 import tempfile
@@ -67,13 +67,13 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 def _pair(family_name: str, size: str, seed: int = 0):
     """(HF reference model, Megatron model with the same weights, HF config), both fp32 eval."""
     import models
-    from transformers import Llama4ForCausalLM, Qwen3MoeForCausalLM
+    import transformers
 
     family = models.get_model_family(family_name)
     impl = family._impl()
     hf_config = impl.hf_text_config(size)
     hf_config._attn_implementation = "eager"
-    hf_cls = Llama4ForCausalLM if family_name == "llama4" else Qwen3MoeForCausalLM
+    hf_cls = getattr(transformers, family.hf_architectures[0])  # the CausalLM class
     torch.manual_seed(seed)
     hf_model = hf_cls(hf_config).eval()
     _randomize(hf_model, seed)
@@ -190,7 +190,7 @@ def test_llama4_decoder_layer_matches_transformers(llama4_tiny, layer_index):
 
 
 @pytest.mark.parametrize("family_name,size", [("llama4", "tiny"), ("llama4", "tiny_maverick"),
-                                              ("qwen3_moe", "tiny")])
+                                              ("qwen3_moe", "tiny"), ("llama", "tiny")])
 def test_whole_model_logits_match_transformers(megatron_process_group, family_name, size):
     hf_model, model, hf_config = _pair(family_name, size, seed=4)
     tokens = _tokens(hf_config.vocab_size)
@@ -219,3 +219,24 @@ def test_llama4_tiny_maverick_layers_are_dense_and_moe_interleaved(megatron_proc
                                     pre_process=True, post_process=True)
     has_norm = [layer.self_attention.q_layernorm is not None for layer in scout_like.decoder.layers]
     assert has_norm == [True, True, True, False]
+
+
+def test_llama_llama3_rope_scaling_changes_the_logits(megatron_process_group):
+    # The dense Llama "tiny" parity above is a check of Megatron's llama3 RoPE scaling: the same
+    # weights with unscaled RoPE differ from transformers well beyond the tolerance at 20 tokens.
+    import models
+    from models.common import build_gpt_model
+
+    hf_model, model, hf_config = _pair("llama", "tiny", seed=4)
+    family = models.get_model_family("llama")
+    config = family.transformer_config("tiny")
+    unscaled = build_gpt_model(config, family.layer_spec(config, use_transformer_engine=False),
+                               dict(family.model_kwargs("tiny"), rope_scaling=False),
+                               pre_process=True, post_process=True, vp_stage=None).eval()
+    unscaled.load_state_dict(model.state_dict())
+    tokens = _tokens(hf_config.vocab_size)
+    position_ids = torch.arange(SEQ_LEN).expand(BATCH, SEQ_LEN)
+    with torch.no_grad():
+        expected = hf_model(input_ids=tokens).logits
+        assert (model(tokens, position_ids, None) - expected).abs().max() < 5e-5
+        assert (unscaled(tokens, position_ids, None) - expected).abs().max() > 1e-2

@@ -100,3 +100,18 @@ def test_arena_reuses_one_buffer_once_it_has_grown():
     assert (b2.data_ptr() - a2.data_ptr(), c2.data_ptr() - a2.data_ptr()) == (256, 512)
     arena.reset()
     assert arena.take((3, 5), torch.float32).data_ptr() == a2.data_ptr()
+
+
+def test_sync_report_metrics_for_tensorboard():
+    from megatron_rl.weight_sync import SyncReport
+
+    report = SyncReport(version=3, num_bytes=3 * 2**30, num_tensors=10, num_buckets=6,
+                        seconds=2.0, gather_s=0.5, convert_s=0.25, transfer_s=1.0, load_s=0.125,
+                        control_s=0.0625, cache_flushed=False)
+    metrics = report.metrics()
+    assert metrics["weight_sync/gib_per_s"] == 1.5 and metrics["weight_sync/gib"] == 3.0
+    assert metrics["weight_sync/version"] == 3.0 and metrics["weight_sync/buckets"] == 6.0
+    assert metrics["weight_sync/control_s"] == 0.0625
+    assert metrics["weight_sync/cache_flushed"] == 0.0
+    assert set(report.metrics(prefix="sync.")) == {k.replace("weight_sync/", "sync.")
+                                                    for k in metrics}
