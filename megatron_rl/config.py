@@ -413,6 +413,32 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class WeightSyncConfig:
+    """How the trainer pushes weights to the generators after each optimizer step
+    (megatron_rl.weight_sync, docs/generators.md). The generators receive weights in
+    rollout.dtype (auto = the trainer's dtype). The sender of each pipeline stage holds two
+    buckets of bucket_mb plus scratch for one bucket's gathered tensors."""
+
+    SECTION: ClassVar[str] = "weight_sync"
+
+    transport: Literal["distributed", "tensor", "disk"] = _field(
+        "distributed", "broadcast over a torch.distributed group with the generator ranks (NCCL "
+        "on GPU, gloo on CPU); tensor = colocated in-memory hand-over; disk = an HF folder")
+    bucket_mb: int = _field(512, "bucket size in MiB (larger: fewer requests, more memory on "
+                            "the sender)", ge=1)
+    pause_mode: Literal["in_place", "retract", "abort", "none"] = _field(
+        "in_place", "what running requests do during an update: in_place keeps them and their "
+        "KV cache (Pipeline-RL), retract requeues them, abort ends them, none does not pause")
+    timeout_s: float = _field(600.0, "longest wait for the generators at any point of a sync",
+                              gt=0.0)
+    disk_dir: str | None = _field(None, "transport=disk: where the HF folder is written; null "
+                                  "= <output_dir>/weight_sync")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class AlgorithmConfig:
     """The RL objective (SCALERL.md sections 3-5). `loss` picks CISPO (truncated importance
     sampling at eps_max; ScaleRL), DAPO / GRPO (clipped surrogate with eps_low / eps_high; GRPO's
@@ -574,6 +600,8 @@ class RunConfig:
     model: ModelConfig = _section(ModelConfig, "the policy model")
     parallelism: ParallelismConfig = _section(ParallelismConfig, "trainer parallel layout")
     rollout: RolloutConfig = _section(RolloutConfig, "generators and sampling")
+    weight_sync: WeightSyncConfig = _section(WeightSyncConfig, "trainer -> generator weight "
+                                             "transfer")
     algorithm: AlgorithmConfig = _section(AlgorithmConfig, "RL objective")
     train: TrainConfig = _section(TrainConfig, "optimizer-step loop")
     optimizer: OptimizerConfig = _section(OptimizerConfig, "optimizer")

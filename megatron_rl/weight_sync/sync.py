@@ -75,6 +75,23 @@ class WeightSyncSettings:
             raise ValueError("weight_sync.transport='disk' needs disk_dir (where to write) and "
                              "hf_config_dir (the HF folder whose config.json to copy)")
 
+    @classmethod
+    def from_run_config(cls, run, *, hf_config_dir: str | None = None,
+                        **fields) -> "WeightSyncSettings":
+        """From megatron_rl.config's RunConfig: its weight_sync section, and rollout.dtype as
+        the generators' dtype (auto: the trainer's). `hf_config_dir` (the HF checkpoint the
+        generators started from) is needed by the disk transport."""
+        import os
+
+        section = run.weight_sync
+        dtype = None if run.rollout.dtype == "auto" else getattr(torch, run.rollout.dtype)
+        disk_dir = section.disk_dir or os.path.join(run.output_dir, "weight_sync")
+        return cls(transport=section.transport, bucket_bytes=section.bucket_mb * 2**20,
+                   dtype=dtype, pause_mode=None if section.pause_mode == "none"
+                   else section.pause_mode, timeout_s=section.timeout_s,
+                   disk_dir=disk_dir if section.transport == "disk" else None,
+                   hf_config_dir=hf_config_dir, **fields)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SyncReport:

@@ -115,3 +115,24 @@ def test_sync_report_metrics_for_tensorboard():
     assert metrics["weight_sync/cache_flushed"] == 0.0
     assert set(report.metrics(prefix="sync.")) == {k.replace("weight_sync/", "sync.")
                                                     for k in metrics}
+
+
+def test_settings_from_the_run_config():
+    from megatron_rl.config import load_config
+    from megatron_rl.weight_sync import WeightSyncSettings
+
+    run = load_config(None, ["rollout.dtype=bfloat16", "weight_sync.bucket_mb=64",
+                             "weight_sync.pause_mode=none", "output_dir=/tmp/run"])
+    settings = WeightSyncSettings.from_run_config(run)
+    assert settings.bucket_bytes == 64 * 2**20 and settings.dtype == torch.bfloat16
+    assert settings.pause_mode is None and settings.transport == "distributed"
+    assert settings.disk_dir is None
+    default = WeightSyncSettings.from_run_config(load_config(None, []))
+    assert default.dtype is None and default.pause_mode == "in_place"
+    assert default.bucket_bytes == 512 * 2**20
+    disk = WeightSyncSettings.from_run_config(
+        load_config(None, ["weight_sync.transport=disk", "output_dir=/tmp/run"]),
+        hf_config_dir="/ckpt/hf")
+    assert disk.disk_dir == "/tmp/run/weight_sync" and disk.hf_config_dir == "/ckpt/hf"
+    with pytest.raises(ValueError, match="hf_config_dir"):
+        WeightSyncSettings.from_run_config(load_config(None, ["weight_sync.transport=disk"]))
