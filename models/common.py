@@ -214,6 +214,26 @@ def decoder_block_spec(config: TransformerConfig, *, use_transformer_engine: boo
         layer_specs=local_specs, layer_norm=norm if use_transformer_engine else LNImpl))
 
 
+def standard_decoder_spec(config: TransformerConfig, *, use_transformer_engine: bool,
+                          qk_norm: str | None, vp_stage: int | None = None,
+                          pp_rank: int | None = None):
+    """`decoder_block_spec` with megatron-core's own SelfAttention and dot-product attention
+    (Transformer Engine's on GPU): the spec of families without custom attention."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    if use_transformer_engine:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+        core_attention = TEDotProductAttention
+    else:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        core_attention = DotProductAttention
+    return decoder_block_spec(
+        config, use_transformer_engine=use_transformer_engine, self_attention_cls=SelfAttention,
+        core_attention=core_attention, qk_norm=qk_norm, vp_stage=vp_stage, pp_rank=pp_rank)
+
+
 def build_gpt_model(config: TransformerConfig, spec, model_kwargs: dict[str, Any], *,
                     pre_process: bool, post_process: bool, vp_stage: int | None):
     from megatron.core.models.gpt import GPTModel

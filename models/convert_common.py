@@ -87,6 +87,34 @@ def fused_qkv(q_name: str, k_name: str, v_name: str, megatron_name: str, *,
                        to_megatron=to_megatron, to_hf=to_hf)
 
 
+def plain_text_config(config_cls: type):
+    """`hf_text_config_from_dict` of a family whose checkpoint config.json is its text config
+    (no multimodal wrapper): the config class built from every field but the two class tags."""
+
+    def hf_text_config_from_dict(config: dict):
+        return config_cls(**{k: v for k, v in config.items()
+                             if k not in ("architectures", "model_type")})
+
+    return hf_text_config_from_dict
+
+
+def no_weight_prefix(config: dict) -> str:
+    """`hf_weight_prefix` of a text-only checkpoint: its weights have no prefix."""
+    del config
+    return ""
+
+
+def no_ignored_prefixes(config: dict) -> tuple[str, ...]:
+    """`hf_ignored_prefixes` of a text-only checkpoint: nothing to skip."""
+    del config
+    return ()
+
+
+def unchanged_config(config: dict) -> dict:
+    """`text_only_hf_config` of a text-only checkpoint: its config as it is."""
+    return dict(config)
+
+
 def decoder_weight_groups(hf, layer_groups: Callable[[object, int, str], list[WeightGroup]], *,
                           prefix: str = "") -> list[WeightGroup]:
     """A decoder-only model's mapping in checkpoint order: embeddings, layers 0..L-1 (each from

@@ -13,28 +13,17 @@ from typing import Any
 from transformers import LlamaConfig
 
 from models.convert_common import (WeightGroup, attention_groups, concatenated,
-                                   decoder_weight_groups, renamed)
+                                   decoder_weight_groups, no_ignored_prefixes, no_weight_prefix,
+                                   plain_text_config, renamed, unchanged_config)
 
 HF_ARCHITECTURES = ("LlamaForCausalLM",)
 
 
-def hf_text_config_from_dict(config: dict[str, Any]) -> LlamaConfig:
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-    return LlamaConfig(**fields)
-
-
-def hf_weight_prefix(config: dict[str, Any]) -> str:
-    del config
-    return ""
-
-
-def hf_ignored_prefixes(config: dict[str, Any]) -> tuple[str, ...]:
-    del config
-    return ()
-
-
-def text_only_hf_config(config: dict[str, Any]) -> dict[str, Any]:
-    return dict(config)
+# A text-only checkpoint: config.json is the text config, weights carry no prefix.
+hf_text_config_from_dict = plain_text_config(LlamaConfig)
+hf_weight_prefix = no_weight_prefix
+hf_ignored_prefixes = no_ignored_prefixes
+text_only_hf_config = unchanged_config
 
 
 def weight_groups(hf: LlamaConfig, *, prefix: str = "") -> list[WeightGroup]:

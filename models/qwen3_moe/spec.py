@@ -2,24 +2,14 @@
 SelfAttention with RMSNorm q/k norms, MoE layers), local on CPU and Transformer Engine on GPU."""
 from __future__ import annotations
 
-from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-from models.common import build_gpt_model, decoder_block_spec
+from models.common import build_gpt_model, standard_decoder_spec
 from models.qwen3_moe.config import Qwen3MoeTransformerConfig, model_kwargs
 
 
 def layer_spec(config: Qwen3MoeTransformerConfig, *, use_transformer_engine: bool,
                vp_stage: int | None = None, pp_rank: int | None = None):
-    if use_transformer_engine:
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-        core_attention = TEDotProductAttention
-    else:
-        core_attention = DotProductAttention
-    return decoder_block_spec(
-        config, use_transformer_engine=use_transformer_engine, self_attention_cls=SelfAttention,
-        core_attention=core_attention, qk_norm="rms", vp_stage=vp_stage, pp_rank=pp_rank)
+    return standard_decoder_spec(config, use_transformer_engine=use_transformer_engine,
+                                 qk_norm="rms", vp_stage=vp_stage, pp_rank=pp_rank)
 
 
 def build_model(config: Qwen3MoeTransformerConfig, *, pre_process: bool, post_process: bool,
