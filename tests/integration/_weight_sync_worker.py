@@ -12,6 +12,7 @@ trainer; a sync after that works again.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -196,6 +197,32 @@ def main() -> None:
     result["sync3_version"] = report.version
     if rank == 0:
         result["synced3_max_diff"] = max_abs_diff(train_logp_3, generator.score(SEQUENCES))
+
+    if layout == "tp2":
+        # The fallback transports against the same live server: colocated tensors (shared
+        # memory) and an HF folder on disk. Each follows a train step that moves the weights.
+        result["transports"] = {}
+        previous = train_logp_3
+        for transport in ("tensor", "disk"):
+            trainer.train_step(batch)
+            moved = trainer_logprobs(trainer, SEQUENCES)
+            fallback = WeightSync(trainer.model, family.weight_groups(), [generator],
+                                  dataclasses.replace(
+                                      settings, transport=transport,
+                                      disk_dir=os.path.join(os.path.dirname(out_path), "hf"),
+                                      hf_config_dir=model_dir),
+                                  hf_vocab_size=family.hf_config.vocab_size)
+            report = fallback.sync()
+            if rank == 0:
+                result["transports"][transport] = {
+                    "trainer_moved": max_abs_diff(previous, moved),
+                    "synced_max_diff": max_abs_diff(moved, generator.score(SEQUENCES)),
+                    "version": report.version,
+                    "server_version": generator.server_weight_version(),
+                    "num_buckets": report.num_buckets}
+            fallback.close()
+            previous = moved
+    if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
     torch.distributed.barrier()

@@ -1,6 +1,7 @@
 """Real SGLang CPU servers (one tiny Llama-3-style, one tiny Qwen3-MoE; each started once per
 test session and reused) driven through megatron_rl.rollout, and the weight sync from a 2-rank
-Megatron trainer (torchrun subprocess: TP2 for Llama, TP2+SP x EP2 for the MoE).
+Megatron trainer (torchrun subprocess: TP2 for Llama, TP2+SP x EP2 for the MoE). The Llama run
+also syncs through the colocated-tensor and disk transports.
 
 References: the trainer's own FP32 log-probs (Megatron at TP2, computed without any gather) and
 transformers' greedy decoding of the synced weights. Tolerance: generator and trainer log-probs
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -58,14 +60,23 @@ def qwen3_moe_generator(tmp_path_factory):
 
 
 def _run_worker(generator, layout: str, tmp_path: Path, port: int) -> dict:
-    out = tmp_path / "result.json"
+    # Output to a file, not a pipe: the colocated-tensor transport starts torch's
+    # torch_shm_manager, which inherits the pipe and keeps it open after the worker exits.
+    out, log_path = tmp_path / "result.json", tmp_path / "worker.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                "--master-port", str(port), str(HERE / "_weight_sync_worker.py"),
                generator.server.settings.model_path, generator.url, str(out), layout]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=400)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = "timeout"
+    assert code == 0, f"worker exit {code}:\n" + log_path.read_text()[-6000:]
     return json.loads(out.read_text())
 
 
@@ -97,7 +108,16 @@ def _check_sync_results(result: dict) -> None:
 
 
 def test_weight_sync_llama_tp2(llama_generator, tmp_path):
-    _check_sync_results(_run_worker(llama_generator, "tp2", tmp_path, 29731))
+    result = _run_worker(llama_generator, "tp2", tmp_path, 29731)
+    _check_sync_results(result)
+    # The fallback transports reach the same server: colocated tensors (shared memory, reused
+    # bucket buffers) and an HF folder on disk; each after a step that moved the trainer.
+    for transport in ("tensor", "disk"):
+        got = result["transports"][transport]
+        assert got["trainer_moved"] > 0.01, transport
+        assert got["synced_max_diff"] < LOGPROB_TOLERANCE, (transport, got)
+        assert got["version"] == 1 and got["server_version"] == "1"
+    assert result["transports"]["tensor"]["num_buckets"] > 1
 
 
 def test_weight_sync_qwen3_moe_tp2_ep2(qwen3_moe_generator, tmp_path):
