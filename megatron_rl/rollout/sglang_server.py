@@ -185,8 +185,11 @@ class SGLangServer:
                                   f"lines ({self.log_path}):\n{_log_tail(self.log_path)}")
 
     def wait_until_healthy(self, timeout_s: float | None = None) -> None:
+        """Wait for /health; then, with settings.freeze_gc, freeze the start-up objects."""
         wait_for_health(self.url, timeout_s or self.settings.startup_timeout_s,
                         exit_error=self.exit_error, log_path=self.log_path)
+        if self.settings.freeze_gc:
+            SGLangGenerator(self.url, server=self).freeze_gc()
 
     def shutdown(self, timeout_s: float = 20.0) -> None:
         """SIGTERM to the server's process group, SIGKILL if it lingers."""
@@ -245,16 +248,8 @@ class SGLangGenerator(Generator):
     @classmethod
     def launch(cls, settings: SGLangServerSettings) -> "SGLangGenerator":
         server = SGLangServer.launch(settings)
-        generator = cls(server.url, num_ranks=settings.tp_size, server=server,
-                        request_timeout_s=settings.request_timeout_s,
-                        max_retries=settings.max_retries)
-        if settings.freeze_gc:
-            try:
-                generator.freeze_gc()
-            except BaseException:
-                server.shutdown()
-                raise
-        return generator
+        return cls(server.url, num_ranks=settings.tp_size, server=server,
+                   request_timeout_s=settings.request_timeout_s, max_retries=settings.max_retries)
 
     def shutdown(self) -> None:
         if self.server is not None:

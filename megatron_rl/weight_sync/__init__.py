@@ -2,8 +2,7 @@
 stage onto one sender, converted to HF names and layouts by the family's converter mapping
 straight into planned buckets, and sent over a torch.distributed group that includes the generator
 ranks (NCCL on GPU, gloo on CPU) while the next bucket is prepared, with in-memory tensors
-(colocated) and disk as fallbacks. Importing this package does not
-import Megatron or SGLang."""
+(colocated) and disk as fallbacks. Importing this package does not import Megatron or SGLang."""
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.gather import (Arena, StageGatherer, WeightSyncGroups,
                                             global_parameter_names)
@@ -18,6 +17,7 @@ __all__ = [
     "Bucket",
     "DiskTransport",
     "DistributedTransport",
+    "PlannedBucket",
     "StageGatherer",
     "SyncReport",
     "TensorTransport",
@@ -26,7 +26,6 @@ __all__ = [
     "WeightSyncGroups",
     "WeightSyncSettings",
     "global_parameter_names",
-    "PlannedBucket",
     "init_sender_group",
     "plan_buckets",
 ]

@@ -53,13 +53,11 @@ class WeightSyncGroups:
     """Where this rank sits, as the weight sync needs it (STYLE.md rule 4)."""
 
     pp_rank: int
-    pp_size: int
     tp_rank: int
     tp_size: int
     etp_rank: int  # expert tensor parallel
     etp_size: int
     sender_rank: int  # global rank that sends this stage's weights (its lowest rank)
-    stage_ranks: tuple[int, ...]
 
     @property
     def is_sender(self) -> bool:
@@ -73,13 +71,11 @@ class WeightSyncGroups:
         pp_rank = ps.get_pipeline_model_parallel_rank()
         ranks_pp = [None] * dist.get_world_size()
         dist.all_gather_object(ranks_pp, pp_rank)
-        stage = tuple(r for r, p in enumerate(ranks_pp) if p == pp_rank)
-        return cls(pp_rank=pp_rank, pp_size=ps.get_pipeline_model_parallel_world_size(),
-                   tp_rank=ps.get_tensor_model_parallel_rank(),
+        return cls(pp_rank=pp_rank, tp_rank=ps.get_tensor_model_parallel_rank(),
                    tp_size=ps.get_tensor_model_parallel_world_size(),
                    etp_rank=ps.get_expert_tensor_parallel_rank(),
                    etp_size=ps.get_expert_tensor_parallel_world_size(),
-                   sender_rank=stage[0], stage_ranks=stage)
+                   sender_rank=ranks_pp.index(pp_rank))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -188,7 +184,9 @@ class StageGatherer:
         dist.all_gather_object(published, (groups.pp_rank, [s for _, s in self.local.values()]))
         self.shards: dict[str, list[Shard]] = {}  # this stage's tensors: every shard
         self.sources: dict[str, list[int]] = {}  # rank that sends shard i of name
+        self.stage_names: dict[int, set[str]] = {}  # every stage's TP1/EP1/PP1 names
         for rank, (pp_rank, shards) in enumerate(published):
+            self.stage_names.setdefault(pp_rank, set()).update(s.name for s in shards)
             if pp_rank != groups.pp_rank:
                 continue
             for shard in shards:
@@ -202,10 +200,6 @@ class StageGatherer:
             if any(s is None for s in by_index):
                 raise ValueError(f"{name}: no rank of pipeline stage {groups.pp_rank} holds "
                                  f"shards {[i for i, s in enumerate(by_index) if s is None]}")
-
-    def names(self) -> set[str]:
-        """Every TP1/EP1/PP1 parameter name this stage holds."""
-        return set(self.shards)
 
     def _trimmed(self, name: str) -> bool:
         shard = self.shards[name][0]

@@ -81,8 +81,6 @@ class WeightSyncSettings:
         """From megatron_rl.config's RunConfig: its weight_sync section, and rollout.dtype as
         the generators' dtype (auto: the trainer's). `hf_config_dir` (the HF checkpoint the
         generators started from) is needed by the disk transport."""
-        import os
-
         section = run.weight_sync
         dtype = None if run.rollout.dtype == "auto" else getattr(torch, run.rollout.dtype)
         disk_dir = section.disk_dir or os.path.join(run.output_dir, "weight_sync")
@@ -154,12 +152,7 @@ class WeightSync:
     def _stage_mapping(self, mapping: list) -> list:
         """The mapping groups this stage sends: each group goes to the first stage holding all
         of its Megatron tensors; a group no stage holds is a configuration error."""
-        local = self.gatherer.names()
-        holders = [None] * dist.get_world_size()
-        dist.all_gather_object(holders, (self.groups.pp_rank, sorted(local)))
-        by_stage: dict[int, set[str]] = {}
-        for stage, names in holders:
-            by_stage.setdefault(stage, set()).update(names)
+        by_stage = self.gatherer.stage_names
         mine = []
         for group in mapping:
             stages = [s for s in sorted(by_stage) if set(group.megatron_names) <= by_stage[s]]
@@ -305,7 +298,8 @@ class WeightSync:
         """Gather, convert and send this stage's buckets; the sender's first send error. Ranks
         holding none of the shards the sender needs return at once."""
         sender = self.groups.is_sender
-        if not self.plan or not self.gatherer.participates(n for b in self.plan for n in b.megatron_names):
+        names = (name for bucket in self.plan for name in bucket.megatron_names)
+        if not self.plan or not self.gatherer.participates(names):
             return None
         pipeline = _SendPipeline(self.transport, self._bucket_buffers(), version, counts) \
             if sender else None

@@ -30,33 +30,31 @@ sys.path.insert(0, str(HERE))
 LOGPROB_TOLERANCE = 1e-4
 
 
-def _launch(model_dir: Path, log_path: Path):
+def _served(tmp_path_factory, name: str, save_model):
+    """An fp32 SGLang CPU server of the tiny model `save_model` writes; shut down afterwards."""
     from megatron_rl.rollout import SGLangGenerator, SGLangServerSettings
 
-    return SGLangGenerator.launch(SGLangServerSettings(
-        model_path=str(model_dir), dtype="float32", mem_fraction_static=0.05,
-        max_total_tokens=8192, startup_timeout_s=240, request_timeout_s=120,
-        log_path=str(log_path)))
+    directory = tmp_path_factory.mktemp(name)
+    generator = SGLangGenerator.launch(SGLangServerSettings(
+        model_path=str(save_model(directory / "model")), dtype="float32",
+        mem_fraction_static=0.05, max_total_tokens=8192, startup_timeout_s=240,
+        request_timeout_s=120, log_path=str(directory / "server.log")))
+    yield generator
+    generator.shutdown()
 
 
 @pytest.fixture(scope="session")
 def llama_generator(tmp_path_factory):
     from _hf_families import save_tiny_llama
 
-    directory = tmp_path_factory.mktemp("tiny_llama")
-    generator = _launch(save_tiny_llama(directory / "model"), directory / "server.log")
-    yield generator
-    generator.shutdown()
+    yield from _served(tmp_path_factory, "tiny_llama", save_tiny_llama)
 
 
 @pytest.fixture(scope="session")
 def qwen3_moe_generator(tmp_path_factory):
     from _hf_families import save_tiny_qwen3_moe
 
-    directory = tmp_path_factory.mktemp("tiny_qwen3_moe")
-    generator = _launch(save_tiny_qwen3_moe(directory / "model"), directory / "server.log")
-    yield generator
-    generator.shutdown()
+    yield from _served(tmp_path_factory, "tiny_qwen3_moe", save_tiny_qwen3_moe)
 
 
 def _run_worker(generator, layout: str, tmp_path: Path, port: int) -> dict:
