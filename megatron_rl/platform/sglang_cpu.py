@@ -175,6 +175,35 @@ def _patch_native_moe(module) -> None:
     module.moe_forward_native = _native_moe_with_input_weights(module.moe_forward_native)
 
 
+# 5. Reuse one receive buffer for weight-update buckets. SGLang allocates every received bucket
+#    afresh (`FlattenedTensorBucket.empty`). On GPU the CUDA caching allocator hands the same
+#    memory back for free; CPU torch has no caching allocator, so every bucket of a sync paid a
+#    page fault per 4 KiB of fresh memory (for a 64 MiB bucket that takes longer than receiving
+#    it). The received tensors only live until `load_weights` has copied them into the model,
+#    before the next bucket is received, so one buffer (grown to the largest bucket) serves all.
+def _reuse_receive_buffer(empty):
+    cache: dict[str, torch.Tensor] = {}
+
+    @functools.wraps(empty)
+    def wrapped(names, dtypes, shapes, device):
+        if torch.device(device).type != "cpu":
+            return empty(names, dtypes, shapes, device)
+        bucket = empty(names, dtypes, shapes, "meta")  # layout and checks, no memory
+        size = bucket.flattened_tensor.numel()
+        buffer = cache.get("buffer")
+        if buffer is None or buffer.numel() < size:
+            buffer = cache["buffer"] = torch.empty(size, dtype=torch.uint8)
+        bucket.flattened_tensor = buffer[:size]
+        return bucket
+
+    return wrapped
+
+
+def _patch_tensor_bucket(module) -> None:
+    bucket_class = module.FlattenedTensorBucket
+    bucket_class.empty = staticmethod(_reuse_receive_buffer(bucket_class.empty))
+
+
 # 6. Llama-4 RoPE on the CPU path. SGLang's Llama4Attention calls `self.rotary_emb(positions, q,
 #    k)` on views of its fused qkv output and discards the result, relying on the CUDA kernel
 #    rotating in place. The CPU path (`forward_cpu` -> `forward_native`) returns new tensors and
@@ -267,35 +296,6 @@ def _patch_torch_native_chunked_attention(module) -> None:
     backend_class.__init__ = __init__
     backend_class.forward_extend = _with_chunked_attention(backend_class.forward_extend)
     backend_class.forward_decode = _with_chunked_attention(backend_class.forward_decode)
-
-
-# 5. Reuse one receive buffer for weight-update buckets. SGLang allocates every received bucket
-#    afresh (`FlattenedTensorBucket.empty`). On GPU the CUDA caching allocator hands the same
-#    memory back for free; CPU torch has no caching allocator, so every bucket of a sync paid a
-#    page fault per 4 KiB of fresh memory (for a 64 MiB bucket that takes longer than receiving
-#    it). The received tensors only live until `load_weights` has copied them into the model,
-#    before the next bucket is received, so one buffer (grown to the largest bucket) serves all.
-def _reuse_receive_buffer(empty):
-    cache: dict[str, torch.Tensor] = {}
-
-    @functools.wraps(empty)
-    def wrapped(names, dtypes, shapes, device):
-        if torch.device(device).type != "cpu":
-            return empty(names, dtypes, shapes, device)
-        bucket = empty(names, dtypes, shapes, "meta")  # layout and checks, no memory
-        size = bucket.flattened_tensor.numel()
-        buffer = cache.get("buffer")
-        if buffer is None or buffer.numel() < size:
-            buffer = cache["buffer"] = torch.empty(size, dtype=torch.uint8)
-        bucket.flattened_tensor = buffer[:size]
-        return bucket
-
-    return wrapped
-
-
-def _patch_tensor_bucket(module) -> None:
-    bucket_class = module.FlattenedTensorBucket
-    bucket_class.empty = staticmethod(_reuse_receive_buffer(bucket_class.empty))
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
