@@ -5,6 +5,12 @@ and the hand-off of those pass rates to the scaling-curve log (megatron_rl/scali
 
 Pass rates count correct samples (`RewardResult.passed`), not rewards, so they stay in [0, 1]
 whatever the reward scale (e.g. -1 for incorrect).
+
+Samples whose verifier failed (after the registry's retry; reward None) are no verdict and are
+excluded: a prompt's pass rate and mean reward are taken over its verified samples only (the best
+estimate of its pass probability from what was measured), every prompt with at least one verified
+sample still weighs the same in mean@k, and a prompt none of whose samples were verified is left
+out. The metrics report how many samples and prompts were excluded.
 """
 from __future__ import annotations
 
@@ -22,22 +28,37 @@ from megatron_rl.rewards.registry import RewardRegistry
 class ScoredSample:
     prompt_id: str
     task: str
-    reward: float
+    reward: float | None  # None: the verifier failed; excluded from the metrics
     passed: bool
+
+    def __post_init__(self) -> None:
+        if self.reward is None and self.passed:
+            raise ValueError(f"sample of prompt {self.prompt_id!r}: a failed verification "
+                             "(reward None) cannot have passed")
+
+    @property
+    def verifier_failed(self) -> bool:
+        return self.reward is None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ValidationMetrics:
-    pass_rate_by_task: dict[str, float]    # mean@k, with OVERALL_TASK ("all")
-    mean_reward_by_task: dict[str, float]  # with OVERALL_TASK
-    num_prompts_by_task: dict[str, int]    # with OVERALL_TASK
+    """Per-task dicts, each with OVERALL_TASK ("all"). A task none of whose prompts had a
+    verified sample has no pass rate or mean reward, only its counts (0 prompts)."""
+
+    pass_rate_by_task: dict[str, float]    # mean@k over prompts with a verified sample
+    mean_reward_by_task: dict[str, float]
+    num_prompts_by_task: dict[str, int]    # prompts counted in the pass rate
+    num_excluded_samples_by_task: dict[str, int]  # failed verifications
+    num_excluded_prompts_by_task: dict[str, int]  # prompts without a single verified sample
     samples_per_prompt: int
 
 
 def score_samples(registry: RewardRegistry, records: Sequence[PromptRecord],
                   completions: Sequence[Sequence[str]], *,
                   num_threads: int = 8) -> list[ScoredSample]:
-    """Grade completions[i][j] (sample j of prompt i) against records[i]."""
+    """Grade completions[i][j] (sample j of prompt i) against records[i]; verifier failures
+    are re-scored once (`RewardRegistry.score_many`) and otherwise come back with reward None."""
     if len(records) != len(completions):
         raise ValueError(f"{len(records)} records but {len(completions)} completion groups")
     flat_records = [r for r, group in zip(records, completions) for _ in group]
@@ -50,9 +71,13 @@ def score_samples(registry: RewardRegistry, records: Sequence[PromptRecord],
 def validation_metrics(samples: Sequence[ScoredSample], *,
                        samples_per_prompt: int | None = None) -> ValidationMetrics:
     """Per-task mean@k. Every prompt must have the same number of samples k (checked against
-    `samples_per_prompt` when given): mean@k with uneven k would weigh prompts unequally."""
+    `samples_per_prompt` when given): mean@k with uneven k would weigh prompts unequally. Failed
+    verifications count towards k but not towards the rates (module docstring)."""
     if not samples:
         raise ValueError("no scored samples: validation needs at least one prompt")
+    if all(s.verifier_failed for s in samples):
+        raise ValueError(f"the verifier failed on all {len(samples)} validation samples: nothing "
+                         "to measure; check the sandbox / math-verify workers / scorers")
     by_prompt: dict[str, list[ScoredSample]] = defaultdict(list)
     for sample in samples:
         by_prompt[sample.prompt_id].append(sample)
@@ -64,27 +89,36 @@ def validation_metrics(samples: Sequence[ScoredSample], *,
                          f"{dict(list(uneven.items())[:5])}")
     pass_rates: dict[str, list[float]] = defaultdict(list)
     rewards: dict[str, list[float]] = defaultdict(list)
+    excluded_samples: dict[str, int] = defaultdict(int)
+    excluded_prompts: dict[str, int] = defaultdict(int)
     for prompt_id, group in by_prompt.items():
         tasks = {s.task for s in group}
         if len(tasks) != 1:
             raise ValueError(f"prompt {prompt_id!r} has samples of several tasks {tasks}")
+        verified = [s for s in group if not s.verifier_failed]
         for task in (tasks.pop(), OVERALL_TASK):
-            pass_rates[task].append(sum(s.passed for s in group) / k)
-            rewards[task].append(sum(s.reward for s in group) / k)
+            excluded_samples[task] += k - len(verified)
+            excluded_prompts[task] += not verified
+            if verified:
+                pass_rates[task].append(sum(s.passed for s in verified) / len(verified))
+                rewards[task].append(sum(s.reward for s in verified) / len(verified))
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     return ValidationMetrics(
         pass_rate_by_task={task: mean(v) for task, v in pass_rates.items()},
         mean_reward_by_task={task: mean(v) for task, v in rewards.items()},
-        num_prompts_by_task={task: len(v) for task, v in pass_rates.items()},
+        num_prompts_by_task={task: len(pass_rates.get(task, ())) for task in excluded_samples},
+        num_excluded_samples_by_task=dict(excluded_samples),
+        num_excluded_prompts_by_task=dict(excluded_prompts),
         samples_per_prompt=k)
 
 
 def log_validation(scaling_log: Any, step: int, compute_gpu_hours: float,
                    metrics: ValidationMetrics, tb_writer: Any = None) -> None:
     """Append the per-task pass rates to the scaling-curve log (one curve per task plus "all");
-    mean rewards go to TensorBoard only (`val/mean_reward/<task>`). `scaling_log` is a
-    `megatron_rl.scaling.log.ScalingLog` (keep one per run: it checks that steps increase) or a
-    run directory to open one in."""
+    mean rewards and the excluded (failed-verification) counts go to TensorBoard only
+    (`val/mean_reward/<task>`, `val/excluded_samples/<task>`, `val/excluded_prompts/<task>`).
+    `scaling_log` is a `megatron_rl.scaling.log.ScalingLog` (keep one per run: it checks that
+    steps increase) or a run directory to open one in."""
     if isinstance(scaling_log, (str, os.PathLike)):
         from megatron_rl.scaling.log import ScalingLog  # lazily: owned by the scaling package
 
@@ -93,4 +127,8 @@ def log_validation(scaling_log: Any, step: int, compute_gpu_hours: float,
     if tb_writer is not None:
         for task, value in metrics.mean_reward_by_task.items():
             tb_writer.add_scalar(f"val/mean_reward/{task}", value, global_step=step)
+        for task, count in metrics.num_excluded_samples_by_task.items():
+            tb_writer.add_scalar(f"val/excluded_samples/{task}", count, global_step=step)
+        for task, count in metrics.num_excluded_prompts_by_task.items():
+            tb_writer.add_scalar(f"val/excluded_prompts/{task}", count, global_step=step)
         tb_writer.flush()

@@ -1,7 +1,7 @@
-"""The ScaleRL algorithm core as pure tensor functions: advantages, zero-variance filtering,
-policy losses (CISPO, DAPO/GRPO, GSPO), loss aggregation with global denominators, the
-No-Positive-Resampling prompt sampler and length control. No Megatron, no processes: everything
-here is unit-tested with hand-computed values on CPU.
+"""The ScaleRL algorithm core as pure tensor functions: advantages, zero-variance and verified
+(no failed verifier) group filtering, policy losses (CISPO, DAPO/GRPO, GSPO), loss aggregation
+with global denominators, the No-Positive-Resampling prompt sampler and length control. No
+Megatron, no processes: everything here is unit-tested with hand-computed values on CPU.
 """
 from megatron_rl.algorithms.advantages import NORMALIZATIONS, compute_advantages
 from megatron_rl.algorithms.aggregation import (
@@ -10,7 +10,12 @@ from megatron_rl.algorithms.aggregation import (
     aggregate_loss,
     token_weights,
 )
-from megatron_rl.algorithms.filtering import group_pass_rates, zero_variance_mask
+from megatron_rl.algorithms.filtering import (
+    group_keep_mask,
+    group_pass_rates,
+    verified_mask,
+    zero_variance_mask,
+)
 from megatron_rl.algorithms.length_control import (
     INTERRUPTION_PHRASE,
     build_interrupted_completion,
@@ -43,10 +48,12 @@ __all__ = [
     "clipped_surrogate_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "group_keep_mask",
     "group_pass_rates",
     "gspo_loss",
     "length_penalty",
     "sample_thinking_budget",
     "token_weights",
+    "verified_mask",
     "zero_variance_mask",
 ]

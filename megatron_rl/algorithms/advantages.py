@@ -1,7 +1,8 @@
 """Group-relative advantages: A_i = r_i - mean(r over the prompt's G completions), optionally
 normalised by the prompt's group std (GRPO) or by the std of the whole batch (ScaleRL). Rewards
 arrive as one row per prompt, so "group" is always a row; prompts dropped by the zero-variance
-filter (``keep`` False) get zero advantage and stay out of the batch statistics.
+or verified filter (``keep`` False) get zero advantage and stay out of the batch statistics. A
+dropped row may hold NaN (a failed verification): it never enters any arithmetic.
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ def compute_advantages(
 
     ``normalization``: "none" (r - mean), "prompt" (divide by the group's std + eps) or "batch"
     (divide by the std of all kept advantages + eps). ``keep`` [num_prompts] bool marks prompts
-    that stay in the loss; dropped prompts get advantage 0 and do not enter the batch std (the
-    SCALERL.md default). ``std_correction`` is torch's Bessel correction: 1 (default) is the sample
-    std that TRL's and verl's GRPO use; 0 is the population std.
+    that stay in the loss (``group_keep_mask``); dropped prompts get advantage 0 and do not enter
+    the batch std (the SCALERL.md default). Rewards of dropped prompts are ignored, so they may be
+    NaN (failed verifications); a kept prompt must have finite rewards. ``std_correction`` is
+    torch's Bessel correction: 1 (default) is the sample std that TRL's and verl's GRPO use; 0 is
+    the population std.
     """
     _check_rewards(rewards)
     if normalization not in NORMALIZATIONS:
@@ -37,9 +40,11 @@ def compute_advantages(
                          f"got {std_correction}")
     num_prompts, group_size = rewards.shape
     keep = _check_keep(keep, num_prompts, rewards.device)
+    _check_kept_rewards_finite(rewards, keep)
+    # Dropped rows become zeros: NaN * 0 would still be NaN.
+    rewards = torch.where(keep.unsqueeze(1), rewards, torch.zeros_like(rewards))
 
     advantages = rewards - rewards.mean(dim=1, keepdim=True)  # [num_prompts, group_size]
-    advantages = advantages * keep.unsqueeze(1).to(advantages.dtype)
     if normalization == "prompt":
         if group_size <= std_correction:
             raise ValueError(f"prompt-level normalization needs group_size > {std_correction} "
@@ -68,8 +73,14 @@ def _check_rewards(rewards: torch.Tensor) -> None:
                         "convert with rewards.float()")
     if rewards.numel() == 0:
         raise ValueError(f"rewards is empty (shape {tuple(rewards.shape)})")
-    if not torch.isfinite(rewards).all():
-        raise ValueError("rewards contain NaN or inf; check the verifier output")
+
+
+def _check_kept_rewards_finite(rewards: torch.Tensor, keep: torch.Tensor) -> None:
+    bad = keep & ~torch.isfinite(rewards).all(dim=1)
+    if bad.any():
+        raise ValueError(f"rewards of kept prompts {bad.nonzero().flatten().tolist()[:5]} contain "
+                         "NaN or inf; NaN marks a failed verification: drop those groups with "
+                         "keep=group_keep_mask(rewards) (megatron_rl.algorithms.filtering)")
 
 
 def _check_keep(keep: torch.Tensor | None, num_prompts: int,

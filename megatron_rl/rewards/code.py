@@ -7,6 +7,9 @@ Function-call tests run inside the program's own interpreter (that is what `chec
 needs), so a program that deliberately tampers with the harness in-process could fake a pass;
 the harness does count leaving early (sys.exit / os._exit before the tests finish) as failure.
 stdin/stdout tests are compared here, outside the sandbox, and cannot be faked that way.
+
+If the sandbox fails on any test (`sandbox_error`), the whole result is `sandbox_error` (no
+reward): a pass fraction with tests that never ran would grade the completion on part of its tests.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from megatron_rl.data.records import CodeTests, StdioTest
 from megatron_rl.rewards.sandbox import ExecutionRequest, ExecutionResult, Sandbox, SandboxLimits
 from megatron_rl.rewards.types import (
     THINK_END,
+    VERIFIER_FAILURES,
     Reason,
     RewardResult,
     RewardScale,
@@ -81,10 +85,13 @@ def run_code_tests(program: str, tests: CodeTests, sandbox: Sandbox, *,
     if tests.function_calls:
         result = results[-1]
         failed = (Reason(result.status), result.detail) if not result.ok else (Reason.WRONG, "")
-        outcomes += [(Reason.CORRECT, "") if passed else failed for passed in result.test_passed]
+        # A sandbox failure reports no per-test outcomes: every function test counts as failed.
+        test_passed = result.test_passed or (False,) * len(tests.function_calls)
+        outcomes += [(Reason.CORRECT, "") if passed else failed for passed in test_passed]
     num_passed = sum(reason == Reason.CORRECT for reason, _ in outcomes)
+    verifier_failure = next(((r, d) for r, d in outcomes if r in VERIFIER_FAILURES), None)
     first_failure = next(((r, d) for r, d in outcomes if r != Reason.CORRECT), None)
-    reason, detail = first_failure or (Reason.CORRECT, "")
+    reason, detail = verifier_failure or first_failure or (Reason.CORRECT, "")
     return CodeTestReport(outcomes=tuple(r for r, _ in outcomes),
                           pass_fraction=num_passed / len(outcomes), reason=reason, detail=detail)
 

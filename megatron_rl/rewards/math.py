@@ -9,6 +9,9 @@ power). So `MathVerifier` grades in worker processes (math_worker.py): math-veri
 are off, the worker's main thread arms a float `setitimer` soft timeout, and the caller waits
 at most `timeout_s + _HARD_GRACE_S` before killing the worker (a fresh one starts on next use).
 `grade_math_answer` is the same grading, in-process and without a time bound.
+
+A worker that dies, or math-verify raising inside it, is a verifier failure (`verifier_error`:
+no reward), not a wrong answer; a grading timeout stays `timeout` (the answer is too costly).
 """
 from __future__ import annotations
 
@@ -145,9 +148,10 @@ class MathVerifier:
             if worker is None:
                 worker = _Worker(self._options)
             reply = worker.grade(answer, gold, self.config.timeout_s)
-        except (EOFError, OSError) as exc:
-            worker = None
-            return make_result(Reason.SANDBOX_ERROR, scale, detail=f"math worker died: {exc}")
+        except (EOFError, OSError) as exc:  # the worker died: a verifier failure, not a verdict
+            worker = None                     # (a fresh worker grades the retry)
+            return make_result(Reason.VERIFIER_ERROR, scale,
+                               detail=f"math worker died: {type(exc).__name__}: {exc}")
         finally:
             if worker is not None and (self._closed.is_set() or not worker.is_alive()):
                 worker.kill()

@@ -41,8 +41,10 @@ def serve(conn: Connection, options: dict) -> None:
         except _SoftTimeout:
             reason, detail = Reason.TIMEOUT, f"grading exceeded {timeout_s} s"
         except Exception as exc:  # noqa: BLE001 - a grader bug must not kill the worker
+            # ... nor become a wrong answer: the verifier failed, not the completion.
             signal.setitimer(signal.ITIMER_REAL, 0)
-            reason, detail = Reason.PARSE_ERROR, f"math-verify failed: {type(exc).__name__}: {exc}"
+            reason = Reason.VERIFIER_ERROR
+            detail = f"math-verify failed: {type(exc).__name__}: {exc}"
         conn.send((reason.value, detail))
 
 

@@ -2,6 +2,12 @@
 dataset's own `score_answer`, applied to the text inside the last <answer>...</answer> after the
 thinking part. reasoning-gym scores lie in [0, 1] and some give partial credit; a score of 1 is
 "correct", anything lower "wrong" (its score is the pass fraction, used with partial credit).
+
+A scorer that raises has two possible culprits. Some scorers raise on text they cannot parse
+(prime_factorization's raises ValueError on "zzz"): the answer's fault. A broken scorer (or
+record) is not. So the scorer is then tried on the reference answer: if that scores, the answer
+gets `parse_error`; if that raises too, the scorer failed (`verifier_error`: no reward, never a
+wrong answer).
 """
 from __future__ import annotations
 
@@ -63,11 +69,17 @@ class ProceduralReward:
                                detail=f"no <{self.config.answer_tag}> tags")
         entry = {"question": record.prompt, "answer": record.answer,
                  "metadata": dict(record.metadata)}
+        score_answer = _score_fn(dataset)  # an unknown dataset is a configuration error: raise
         try:
-            score = float(_score_fn(dataset)(answer, entry))
-        except Exception as exc:  # noqa: BLE001 - a scorer choking on odd text is a bad answer
-            return make_result(Reason.PARSE_ERROR, scale,
-                               detail=f"{dataset} scorer failed: {type(exc).__name__}: {exc}")
+            score = float(score_answer(answer, entry))
+        except Exception as exc:  # noqa: BLE001 - whose fault it is decides the reason
+            failure = f"{dataset} scorer failed: {type(exc).__name__}: {exc}"
+            try:
+                score_answer(record.answer, entry)
+            except Exception as probe:  # noqa: BLE001
+                return make_result(Reason.VERIFIER_ERROR, scale, detail=(
+                    f"{failure}; on the reference answer too: {type(probe).__name__}: {probe}"))
+            return make_result(Reason.PARSE_ERROR, scale, detail=failure)
         score = min(max(score, 0.0), 1.0)
         reason = Reason.CORRECT if score >= 1.0 else Reason.WRONG
         return make_result(reason, scale, pass_fraction=score, detail=f"score {score:g}")

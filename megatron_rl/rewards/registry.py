@@ -1,11 +1,14 @@
 """Reward dispatch by task tag: a registry from task tag (exact, like "math", or a family prefix,
 like "rg/") to a reward function `fn(completion, record) -> RewardResult`, with the record fields
 each one needs. `default_registry` wires math (math-verify), code (sandbox) and reasoning-gym
-procedural tasks with one shared RewardScale.
+procedural tasks with one shared RewardScale. `score_many` re-scores verifier failures (a dead
+math worker, an unreachable sandbox: usually transient, and the verifier starts a fresh worker or
+server) before handing them on; what remains has no reward and its group is dropped (failures.py).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +22,7 @@ from megatron_rl.rewards.types import RewardResult, RewardScale
 
 RewardFn = Callable[[str, PromptRecord], RewardResult]
 _REQUIRABLE = ("answer", "tests", "metadata")
+_log = logging.getLogger(__name__)
 
 
 class UnknownTaskError(ValueError):
@@ -79,16 +83,33 @@ class RewardRegistry:
         return self._entry(record.task).fn(completion, record)
 
     def score_many(self, completions: Sequence[str], records: Sequence[PromptRecord], *,
-                   num_threads: int = 8) -> list[RewardResult]:
+                   num_threads: int = 8, retries: int = 1) -> list[RewardResult]:
         """Score completion i against records[i], `num_threads` at a time (verifiers wait on
-        worker processes and sandboxes, so threads suffice); results in input order."""
+        worker processes and sandboxes, so threads suffice); results in input order. A result
+        whose verifier failed (`RewardResult.verifier_failed`) is scored again, up to `retries`
+        times; one that still fails comes back as it is (no reward)."""
         if len(completions) != len(records):
             raise ValueError(f"{len(completions)} completions but {len(records)} records; "
                              "pass one record per completion")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
         for record in {r.task: r for r in records}.values():
             self._entry(record.task)  # unknown tags fail before any work starts
         with ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="reward") as pool:
-            return list(pool.map(self.score, completions, records))
+            results = list(pool.map(self.score, completions, records))
+            for attempt in range(1, retries + 1):
+                failed = [i for i, result in enumerate(results) if result.verifier_failed]
+                if not failed:
+                    break
+                first = results[failed[0]]
+                _log.warning("re-scoring %d of %d samples whose verifier failed (attempt %d of "
+                             "%d); e.g. %s: %s", len(failed), len(results), attempt, retries,
+                             first.reason, first.detail)
+                rescored = pool.map(self.score, [completions[i] for i in failed],
+                                    [records[i] for i in failed])
+                for i, result in zip(failed, rescored):
+                    results[i] = result
+        return results
 
 
 def default_registry(*, math_verifier: MathVerifier, sandbox: Sandbox,

@@ -1,13 +1,21 @@
 """Math grading in worker processes: works from any thread (math-verify's own signal-based
-timeout refuses to), the soft timeout interrupts Python-level work, and the hard timeout kills a
-worker stuck in C (a ~30 s big-integer power) and replaces it."""
+timeout refuses to), the soft timeout interrupts Python-level work, the hard timeout kills a
+worker stuck in C (a ~30 s big-integer power) and replaces it, and a worker that dies is a
+verifier failure (no reward) that the registry's retry grades with a fresh worker."""
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 
-from megatron_rl.rewards import MathVerifier, MathVerifyConfig, Reason, RewardScale
+from megatron_rl.data import PromptRecord
+from megatron_rl.rewards import (
+    MathVerifier,
+    MathVerifyConfig,
+    Reason,
+    RewardRegistry,
+    RewardScale,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -81,3 +89,30 @@ def test_hard_timeout_kills_an_unresponsive_worker():
         assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
         assert verifier.grade("</think> $5$", "5").reason == Reason.CORRECT
         assert len(_worker_pids()) == 1 and worker not in _worker_pids()  # a fresh worker
+
+
+def _kill(pid: int) -> None:
+    process = psutil.Process(pid)
+    process.kill()
+    psutil.wait_procs([process], timeout=10)  # reaped by its Popen later; zombie until then
+
+
+def test_a_dead_worker_is_a_verifier_failure_and_the_retry_gets_a_fresh_one():
+    """A worker killed between gradings (the OOM killer, a crash): no reward, not a wrong
+    answer; `score_many` re-scores it once, with a fresh worker."""
+    record = PromptRecord(prompt_id="m", task="math", prompt="2 + 2?", answer="4")
+    with MathVerifier(MathVerifyConfig(scale=RewardScale(incorrect_reward=-1.0))) as verifier:
+        registry = RewardRegistry()
+        registry.register("math", lambda c, r: verifier.grade(c, r.answer), requires=("answer",))
+        assert registry.score("</think> $4$", record).reason == Reason.CORRECT
+        (first,) = _worker_pids()
+        _kill(first)
+        (dead,) = registry.score_many(["</think> $4$"], [record], retries=0)
+        assert (dead.reward, dead.reason) == (None, Reason.VERIFIER_ERROR)
+        assert "math worker died" in dead.detail
+        assert registry.score("</think> $5$", record).reward == -1.0  # a fresh worker
+        (second,) = _worker_pids()
+        _kill(second)
+        (retried,) = registry.score_many(["</think> $4$"], [record])  # retries=1
+        assert (retried.reward, retried.reason) == (1.0, Reason.CORRECT)
+        assert len(_worker_pids()) == 1 and not {first, second} & _worker_pids()

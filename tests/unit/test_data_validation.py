@@ -1,12 +1,12 @@
-"""Per-task validation metrics (mean@k, hand-computed), scoring through the registry, and the
-hand-off to the scaling-curve log."""
+"""Per-task validation metrics (mean@k, hand-computed), scoring through the registry, the
+exclusion of samples whose verifier failed, and the hand-off to the scaling-curve log."""
 import json
 
 import pytest
 
 from megatron_rl.data import PromptRecord, reasoning_gym_prompts
 from megatron_rl.rewards import ProceduralReward, ProceduralRewardConfig, RewardRegistry
-from megatron_rl.rewards import RewardScale
+from megatron_rl.rewards import RewardScale, procedural
 from megatron_rl.validation import (
     ScoredSample,
     log_validation,
@@ -17,8 +17,10 @@ from megatron_rl.validation import (
 pytestmark = pytest.mark.unit
 
 
-def _samples(prompt_id: str, task: str, passed: list[bool], wrong: float = 0.0):
-    return [ScoredSample(prompt_id=prompt_id, task=task, reward=1.0 if p else wrong, passed=p)
+def _samples(prompt_id: str, task: str, passed: list[bool | None], wrong: float = 0.0):
+    """None: the verifier failed on that sample (no reward)."""
+    return [ScoredSample(prompt_id=prompt_id, task=task,
+                         reward=None if p is None else 1.0 if p else wrong, passed=bool(p))
             for p in passed]
 
 
@@ -66,6 +68,54 @@ def test_score_samples_through_the_registry():
     assert metrics.pass_rate_by_task == {"rg/basic_arithmetic": 0.5, "all": 0.5}
 
 
+def test_failed_verifications_are_excluded():
+    """A prompt's rates are over its verified samples; a prompt with none is left out."""
+    samples = (_samples("m1", "math", [True, False, None, None], wrong=-1.0) +  # 1/2, reward 0
+               _samples("m2", "math", [None] * 4) +                             # excluded
+               _samples("c1", "code", [True, True, True, False], wrong=-1.0) +  # 3/4, reward 1/2
+               _samples("r1", "rg/gcd", [None] * 4))                            # excluded
+    metrics = validation_metrics(samples, samples_per_prompt=4)
+    assert metrics.pass_rate_by_task == {"math": 0.5, "code": 0.75, "all": 0.625}
+    assert metrics.mean_reward_by_task == {"math": 0.0, "code": 0.5, "all": 0.25}
+    assert metrics.num_prompts_by_task == {"math": 1, "code": 1, "rg/gcd": 0, "all": 2}
+    assert metrics.num_excluded_samples_by_task == {"math": 6, "code": 0, "rg/gcd": 4, "all": 10}
+    assert metrics.num_excluded_prompts_by_task == {"math": 1, "code": 0, "rg/gcd": 1, "all": 2}
+    with pytest.raises(ValueError, match="verifier failed on all 8 validation samples"):
+        validation_metrics(_samples("a", "math", [None] * 4) + _samples("b", "code", [None] * 4))
+    with pytest.raises(ValueError, match="cannot have passed"):
+        ScoredSample(prompt_id="a", task="math", reward=None, passed=True)
+
+
+def test_score_samples_excludes_a_scorer_that_keeps_failing(monkeypatch):
+    """A fake reasoning-gym scorer (forcing the infrastructure failure) raises on prompt 1's
+    record, also for the reference answer and on the retry; prompt 0 has one wrong sample. The
+    real ProceduralReward, registry and score_samples run around it."""
+    records = reasoning_gym_prompts("basic_arithmetic", num_prompts=2, seed=5)
+    calls = []
+
+    def score(answer, entry):
+        calls.append(entry["question"])
+        if entry["question"] == records[1].prompt:
+            raise OSError("scorer backend unavailable")
+        return 1.0 if answer == entry["answer"] else 0.0
+
+    monkeypatch.setattr(procedural, "_score_fn", lambda dataset: score)
+    registry = RewardRegistry()
+    registry.register("rg/", ProceduralReward(ProceduralRewardConfig(
+        scale=RewardScale(incorrect_reward=-1.0))))
+    completions = [[f"</think><answer>{records[0].answer}</answer>", "</think><answer>x</answer>"],
+                   [f"</think><answer>{records[1].answer}</answer>", "</think><answer>x</answer>"]]
+    samples = score_samples(registry, records, completions, num_threads=1)
+    assert [(s.passed, s.reward) for s in samples] == [(True, 1.0), (False, -1.0),
+                                                       (False, None), (False, None)]
+    assert calls.count(records[1].prompt) == 8  # 2 samples x 2 attempts x (answer, reference)
+    metrics = validation_metrics(samples, samples_per_prompt=2)
+    assert metrics.pass_rate_by_task == {"rg/basic_arithmetic": 0.5, "all": 0.5}
+    assert metrics.mean_reward_by_task == {"rg/basic_arithmetic": 0.0, "all": 0.0}
+    assert metrics.num_excluded_samples_by_task["all"] == 2
+    assert metrics.num_excluded_prompts_by_task["all"] == 1
+
+
 class _Recorder:
     def __init__(self):
         self.scalars = []
@@ -87,6 +137,18 @@ def test_log_validation_writes_one_curve_per_task(tmp_path):
         ("math", 0.5, 100, 12.5), ("code", 1.0, 100, 12.5), ("all", 0.75, 100, 12.5)}
     assert ("val/mean_reward/all", 0.75, 100) in writer.scalars
     assert ("val/pass_rate/code", 1.0, 100) in writer.scalars
+    assert ("val/excluded_samples/all", 0, 100) in writer.scalars
+
+
+def test_log_validation_reports_excluded_samples(tmp_path):
+    metrics = validation_metrics(_samples("m", "math", [True, None]) +
+                                 _samples("c", "code", [None, None]))
+    writer = _Recorder()
+    log_validation(tmp_path, 7, 1.0, metrics, tb_writer=writer)
+    lines = [json.loads(line) for line in (tmp_path / "scaling.jsonl").read_text().splitlines()]
+    assert {(d["task"], d["pass_rate"]) for d in lines} == {("math", 1.0), ("all", 1.0)}
+    assert {("val/excluded_samples/all", 3, 7), ("val/excluded_samples/code", 2, 7),
+            ("val/excluded_prompts/code", 1, 7)} <= set(writer.scalars)
 
 
 def test_record_for_unknown_task_fails_before_scoring():
