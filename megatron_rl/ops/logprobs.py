@@ -15,8 +15,26 @@ normally by feeding the op `megatron.core.tensor_parallel.copy_to_tensor_model_p
 hidden, group=tp_group)`, whose backward is that all-reduce (as ColumnParallelLinear does for the
 output layer). Hand-written rather than Megatron's VocabParallelCrossEntropy helpers because those
 work on whole [tokens, vocab/tp] logits and have no entropy term.
+
+Sampling temperature: SGLang records log softmax(z / T) of the distribution it sampled from
+(sglang/srt/layers/sampler.py divides the FP32 logits by T before the softmax), so the ratio
+pi_train / pi_gen is only unbiased when the trainer scores the same z / T. `temperature` divides
+each chunk's FP32 logits in place (no extra [tokens, vocab] tensor); the backward recomputes
+them the same way and carries the 1/T of d(z / T)/dz on the per-token factor. The entropy is
+that of the same tempered distribution, the one the generator sampled from.
+
+`fp32_head=False` is the ablation of the FP32 head (model.fp32_lm_head=false): each chunk's logits
+are the GEMM in the inputs' dtype (bf16 for a bf16 model), cast to FP32 before the temperature and
+the softmax, as megatron-core's own path computes them (output layer in the params dtype, FP32
+cross-entropy). The backward is the gradient of that computation: the FP32 logit gradient is
+rounded to the GEMM dtype, the hidden gradient is a GEMM in that dtype, and the weight gradient
+an FP32 GEMM of the rounded operands (bf16 x bf16 products are exact in FP32, so this is the
+low-precision GEMM's own FP32 accumulation) summed over the chunks in FP32 and rounded once. At
+FP32 inputs the two settings are the same computation.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -42,18 +60,26 @@ def chunked_logprobs(
     *,
     chunk_size: int = 1024,
     compute_entropy: bool = True,
+    temperature: float = 1.0,
+    fp32_head: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """FP32 log pi(target) and entropy per token from hidden states and the whole LM-head weight.
 
     hidden: [tokens, hidden] of any float dtype; weight: [vocab, hidden]; targets: [tokens] long.
     Returns (logprobs [tokens] FP32, differentiable w.r.t. hidden and weight; entropy [tokens]
     FP32, detached, or None when compute_entropy is False). Gradients come back in the dtypes of
-    hidden and weight.
+    hidden and weight. pi is softmax(hidden @ weight^T / temperature): pass the generator's
+    sampling temperature so that both sides score the distribution the tokens were sampled from;
+    the entropy is that tempered distribution's too. fp32_head=False: the logits GEMM runs in
+    the inputs' dtype (promoted if hidden and weight differ) and is cast to FP32 only afterwards,
+    the ablation of the FP32 head (module docstring); identical to True at FP32 inputs.
 
     Memory beyond inputs and outputs: 1.25 x chunk_size x vocab FP32 in the forward, of which
     chunk_size x vocab is kept for the backward (when one can follow) and reused there; for a
-    non-FP32 weight also an FP32 copy of it and an FP32 weight-grad accumulator. The backward runs
-    once per forward: a second one through a retained graph raises autograd's in-place error.
+    non-FP32 weight also an FP32 weight-grad accumulator and, with fp32_head, an FP32 copy of the
+    weight, without it a chunk_size x vocab buffer of the GEMM dtype (forward and backward). The
+    backward runs once per forward: a second one through a retained graph raises autograd's
+    in-place error.
     """
     return vocab_parallel_chunked_logprobs(
         hidden,
@@ -63,6 +89,8 @@ def chunked_logprobs(
         group=None,
         chunk_size=chunk_size,
         compute_entropy=compute_entropy,
+        temperature=temperature,
+        fp32_head=fp32_head,
     )
 
 
@@ -75,6 +103,8 @@ def vocab_parallel_chunked_logprobs(
     group: dist.ProcessGroup | None,
     chunk_size: int = 1024,
     compute_entropy: bool = True,
+    temperature: float = 1.0,
+    fp32_head: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """chunked_logprobs with the vocabulary sharded over `group` (None: a single shard).
 
@@ -84,20 +114,26 @@ def vocab_parallel_chunked_logprobs(
     raises ValueError on every rank at the end of the forward. Log-probs and entropies are the
     global ones, identical on all ranks. The weight_shard gradient is exact for the shard; the
     hidden gradient is this shard's contribution only, to be summed over the group by the caller
-    (Megatron's convention; see the module docstring).
+    (Megatron's convention; see the module docstring). Logits are divided by `temperature`
+    (every rank must pass the same one), as in chunked_logprobs, and fp32_head=False computes
+    each shard's logits GEMM in the inputs' dtype as there.
     """
-    _check_inputs(hidden, weight_shard, targets, vocab_start_index, chunk_size)
+    _check_inputs(hidden, weight_shard, targets, vocab_start_index, chunk_size, temperature)
     # Function.forward runs with grad mode off, so whether a backward can follow is decided here.
     will_backward = torch.is_grad_enabled() and (hidden.requires_grad or weight_shard.requires_grad)
+    gemm_dtype = (
+        torch.float32 if fp32_head else torch.promote_types(hidden.dtype, weight_shard.dtype)
+    )
     logprobs, entropy = _ChunkedLogprobs.apply(
         hidden, weight_shard, targets, vocab_start_index, group, chunk_size, compute_entropy,
-        will_backward,
+        float(temperature), gemm_dtype, will_backward,
     )
     return logprobs, (entropy if compute_entropy else None)
 
 
 def _check_inputs(
-    hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start_index: int, chunk_size: int
+    hidden: Tensor, weight: Tensor, targets: Tensor, vocab_start_index: int, chunk_size: int,
+    temperature: float,
 ) -> None:
     if hidden.dim() != 2 or weight.dim() != 2:
         raise ValueError(
@@ -135,6 +171,16 @@ def _check_inputs(
         or vocab_start_index < 0
     ):
         raise ValueError(f"vocab_start_index must be a non-negative int, got {vocab_start_index!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(
+            "temperature must be a finite number > 0 (the generator's sampling temperature; "
+            f"greedy decoding has no sampling distribution to score), got {temperature!r}"
+        )
 
 
 def _local_targets(
@@ -183,21 +229,41 @@ def _shard_softmax_stats(
     return row_max, sum_exp, exp_times_logit
 
 
+def _tempered_logits(
+    hidden_chunk: Tensor, weight: Tensor, temperature: float, out: Tensor,
+    gemm_out: Tensor | None = None,
+) -> Tensor:
+    """z = hidden @ weight^T / T into `out` [c, vocab/tp] FP32: the same division of the FP32
+    logits that SGLang's sampler applies before its softmax (skipped at T = 1: no extra pass).
+    The GEMM runs in weight's dtype; when that is not FP32 (fp32_head=False) its logits land in
+    `gemm_out` [c, vocab/tp] of that dtype and are cast to FP32 into `out`."""
+    hidden_chunk = hidden_chunk.to(weight.dtype)
+    if weight.dtype == out.dtype:
+        torch.mm(hidden_chunk, weight.t(), out=out)
+    else:
+        out.copy_(torch.mm(hidden_chunk, weight.t(), out=gemm_out))
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out
+
+
 def _forward_chunk(
     hidden_chunk: Tensor,
-    weight_fp32: Tensor,
+    weight: Tensor,
     targets_chunk: Tensor,
     vocab_start_index: int,
     group: dist.ProcessGroup | None,
     logits: Tensor,
     exps_scratch: Tensor,
     compute_entropy: bool,
+    temperature: float,
+    gemm_out: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk's statistics summed over the shards, as [4, c] rows: sum_v exp(z_v - M), the
     target's z - M, sum_v exp(z_v - M)(z_v - M) and the number of shards owning the target; also
-    the global row max M and this shard's row max m [c]. `logits` [c, vocab/tp] is left holding
-    z - m."""
-    torch.mm(hidden_chunk.float(), weight_fp32.t(), out=logits)  # [c, vocab/tp] FP32
+    the global row max M and this shard's row max m [c]. z are the tempered logits (the GEMM in
+    weight's dtype); `logits` [c, vocab/tp] is left holding z - m."""
+    _tempered_logits(hidden_chunk, weight, temperature, out=logits, gemm_out=gemm_out)
     local_targets, owned = _local_targets(targets_chunk, vocab_start_index, logits.shape[1])
     target_logit = logits.gather(1, local_targets.unsqueeze(-1)).squeeze(-1)
     # Against the shard's own max first, so no collective sits between the max and the
@@ -249,10 +315,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, hidden, weight, targets, vocab_start_index, group, chunk_size, compute_entropy,
-        will_backward,
+        temperature, gemm_dtype, will_backward,
     ):
         num_tokens, num_local_vocab = hidden.shape[0], weight.shape[0]
-        weight_fp32 = weight.float()  # [vocab/tp, hidden]; no copy when the weight is FP32
+        weight_gemm = weight.to(gemm_dtype)  # [vocab/tp, hidden]; no copy when already that dtype
         logprobs = hidden.new_empty(num_tokens, dtype=torch.float32)
         entropy = hidden.new_empty(num_tokens if compute_entropy else 0, dtype=torch.float32)
         logsumexp = hidden.new_empty(num_tokens, dtype=torch.float32)  # saved for backward
@@ -263,11 +329,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         exps_scratch = hidden.new_empty(
             (_rows_per_block(num_rows), num_local_vocab), dtype=torch.float32
         )
+        gemm_scratch = _gemm_scratch(scratch, gemm_dtype)
         shard_max = None
         for start, stop in _chunk_bounds(num_tokens, chunk_size):
             stats, global_max, shard_max = _forward_chunk(
-                hidden[start:stop], weight_fp32, targets[start:stop], vocab_start_index, group,
-                scratch[: stop - start], exps_scratch, compute_entropy,
+                hidden[start:stop], weight_gemm, targets[start:stop], vocab_start_index, group,
+                scratch[: stop - start], exps_scratch, compute_entropy, temperature,
+                None if gemm_scratch is None else gemm_scratch[: stop - start],
             )
             log_sum_exp = stats[_SUM_EXP].log()  # of z - M
             logprobs[start:stop] = stats[_TARGET_LOGIT] - log_sum_exp
@@ -276,7 +344,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if compute_entropy:
                 # H = log S - sum_v p_v (z_v - M), with S = sum_v exp(z_v - M).
                 entropy[start:stop] = log_sum_exp - stats[_EXP_TIMES_LOGIT] / stats[_SUM_EXP]
-        del exps_scratch, weight_fp32
+        del exps_scratch, weight_gemm, gemm_scratch
         _raise_unless_one_owner(num_owners, targets)
         if will_backward and num_tokens:
             last_start = _chunk_bounds(num_tokens, chunk_size)[-1][0]
@@ -288,44 +356,99 @@ class _ChunkedLogprobs(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, targets, logsumexp, None)
         ctx.vocab_start_index, ctx.chunk_size = vocab_start_index, chunk_size
+        ctx.temperature, ctx.gemm_dtype = temperature, gemm_dtype
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs, _grad_entropy):
-        # d logp_t / d logits_tv = onehot_tv - p_tv. The per-token factor g_t scales the
-        # [c, hidden] operands, not the [c, vocab/tp] buffer, which so sees no extra pass.
+        # d logp_t / d z_tv = (onehot_tv - p_tv) / T for the raw logits z (p at z / T), times the
+        # upstream g_t: applied per chunk by _fp32_head_grads or _low_precision_head_grads.
         hidden, weight, targets, logsumexp, scratch = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        weight_fp32 = weight.float()  # [vocab/tp, hidden]
+        weight_gemm = weight.to(ctx.gemm_dtype)  # [vocab/tp, hidden]
+        gemm_scratch = None if scratch is None else _gemm_scratch(scratch, ctx.gemm_dtype)
         grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else None
         grad_weight = None  # FP32 [vocab/tp, hidden]: written by the first chunk, then summed into
         # Last chunk first: the forward left its softmax - onehot in `scratch`.
         chunks = _chunk_bounds(hidden.shape[0], ctx.chunk_size)[::-1]
         for index, (start, stop) in enumerate(chunks):
-            hidden_chunk = hidden[start:stop].float()  # [c, hidden]
+            hidden_chunk = hidden[start:stop].to(ctx.gemm_dtype)  # [c, hidden]
             probs_minus_onehot = scratch[: stop - start]  # [c, vocab/tp]
+            gemm_out = None if gemm_scratch is None else gemm_scratch[: stop - start]
             if index > 0:
-                torch.mm(hidden_chunk, weight_fp32.t(), out=probs_minus_onehot)  # recompute
+                _tempered_logits(  # recompute
+                    hidden_chunk, weight_gemm, ctx.temperature, out=probs_minus_onehot,
+                    gemm_out=gemm_out,
+                )
                 _to_probs_minus_onehot(
                     probs_minus_onehot, logsumexp[start:stop], targets[start:stop],
                     ctx.vocab_start_index,
                 )
             neg_grad = grad_logprobs[start:stop].float().neg().unsqueeze(-1)  # [c, 1]
+            if ctx.temperature != 1.0:
+                neg_grad = neg_grad / ctx.temperature
+            if gemm_out is None:
+                chunk_grad_hidden, chunk_grad_weight = _fp32_head_grads(
+                    probs_minus_onehot, neg_grad, hidden_chunk, weight_gemm, need_hidden,
+                    need_weight,
+                )
+            else:
+                chunk_grad_hidden, chunk_grad_weight = _low_precision_head_grads(
+                    probs_minus_onehot, neg_grad, hidden_chunk, weight_gemm, gemm_out,
+                    need_hidden, need_weight,
+                )
             if need_hidden:
-                grad_hidden[start:stop] = (probs_minus_onehot @ weight_fp32).mul_(neg_grad)
+                grad_hidden[start:stop] = chunk_grad_hidden
             if need_weight:
-                scaled_hidden = hidden_chunk * neg_grad  # [c, hidden]
+                lhs, rhs = chunk_grad_weight  # [vocab/tp, c] FP32, [c, hidden] FP32
                 if grad_weight is None:
-                    grad_weight = probs_minus_onehot.t() @ scaled_hidden
+                    grad_weight = lhs @ rhs
                 else:
-                    grad_weight.addmm_(probs_minus_onehot.t(), scaled_hidden)
+                    grad_weight.addmm_(lhs, rhs)
         if need_weight:
             if grad_weight is None:  # no tokens
                 grad_weight = torch.zeros_like(weight)
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
+def _gemm_scratch(scratch: Tensor, gemm_dtype: torch.dtype) -> Tensor | None:
+    """A buffer like `scratch` [c, vocab/tp] in the GEMM dtype, or None for the FP32 head."""
+    if gemm_dtype == scratch.dtype:
+        return None
+    return scratch.new_empty(scratch.shape, dtype=gemm_dtype)
+
+
+def _fp32_head_grads(
+    probs_minus_onehot: Tensor, neg_grad: Tensor, hidden_chunk: Tensor, weight: Tensor,
+    need_hidden: bool, need_weight: bool,
+) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
+    """One chunk's hidden gradient [c, hidden] and weight-gradient GEMM operands for the FP32
+    head. The per-token factor -g_t / T scales the [c, hidden] operands, not the [c, vocab/tp]
+    buffer, which so sees no extra pass."""
+    grad_hidden = (probs_minus_onehot @ weight).mul_(neg_grad) if need_hidden else None
+    grad_weight = (probs_minus_onehot.t(), hidden_chunk * neg_grad) if need_weight else None
+    return grad_hidden, grad_weight
+
+
+def _low_precision_head_grads(
+    probs_minus_onehot: Tensor, neg_grad: Tensor, hidden_chunk: Tensor, weight: Tensor,
+    gemm_out: Tensor, need_hidden: bool, need_weight: bool,
+) -> tuple[Tensor | None, tuple[Tensor, Tensor] | None]:
+    """As _fp32_head_grads for logits computed as a GEMM in weight's dtype and then cast to FP32:
+    autograd of that cast rounds the FP32 logit gradient to the GEMM dtype (so the per-token
+    factor is applied first, to the [c, vocab/tp] buffer), and the hidden gradient is a GEMM in
+    that dtype. The weight-gradient operands are the rounded logit gradient and the hidden chunk
+    in FP32: their products are exact in FP32, so the FP32 GEMM is the low-precision GEMM's own
+    FP32 accumulation, and the caller sums the chunks in FP32 and rounds once."""
+    grad_logits = gemm_out.copy_(probs_minus_onehot.mul_(neg_grad))  # [c, vocab/tp], rounded
+    grad_hidden = grad_logits @ weight if need_hidden else None
+    grad_weight = None
+    if need_weight:
+        grad_weight = (probs_minus_onehot.copy_(grad_logits).t(), hidden_chunk.float())
+    return grad_hidden, grad_weight
 
 
 def _raise_unless_one_owner(num_owners: Tensor, targets: Tensor) -> None:

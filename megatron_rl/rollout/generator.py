@@ -41,7 +41,10 @@ class Generator(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams) -> list[GenerationResult]:
-        """`params.num_samples` completions per prompt, in (prompt, sample) order."""
+        """`params.num_samples` completions per prompt, in (prompt, sample) order. Each token's
+        log-prob is log softmax(logits / params.temperature) of the untruncated distribution;
+        params with purpose "train" (SamplingParams) guarantee that this is the distribution the
+        token was sampled from."""
 
     @abc.abstractmethod
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:

@@ -19,18 +19,31 @@ class GeneratorDeadError(GeneratorError):
     """The generator's server is gone (process exited, or it no longer answers health checks)."""
 
 
+_PURPOSES = ("train", "eval")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
-    """How completions are sampled (SGLang's sampling_params names). temperature 0 = greedy."""
+    """How completions are sampled (SGLang's sampling_params names). temperature 0 = greedy.
+
+    `purpose` "train" (the default) is for rollouts whose log-probs enter the RL loss: SGLang
+    records log softmax(logits / T) of the untruncated distribution (sglang/srt/layers/
+    sampler.py) and the trainer scores the same, but top_p < 1, top_k > 0, min_p > 0 and greedy
+    decoding (SGLang's top_k = 1) sample from a truncated distribution whose log-probs are not
+    the recorded ones, which biases every importance ratio; so they are refused. "eval" allows
+    them: evaluation log-probs feed no ratio.
+    """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no top-k cut
+    min_p: float = 0.0  # 0: no min-p cut
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     num_samples: int = 1  # completions per prompt (G of the group)
     seed: int | None = None  # per-request sampling seed (reproducible sampling)
+    purpose: str = "train"  # train | eval; not sent to SGLang
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -39,12 +52,45 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k must be -1 (no cut) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        if self.purpose not in _PURPOSES:
+            raise ValueError(f"purpose must be one of {_PURPOSES}, got {self.purpose!r}")
+        if self.purpose == "train":
+            self._refuse_truncation_for_training()
+
+    def _refuse_truncation_for_training(self) -> None:
+        truncations = [name for name, on in (
+            (f"top_p={self.top_p}", self.top_p < 1.0), (f"top_k={self.top_k}", self.top_k > 0),
+            (f"min_p={self.min_p}", self.min_p > 0.0),
+            ("temperature=0 (greedy, SGLang's top_k=1)", self.temperature == 0)) if on]
+        if truncations:
+            raise ValueError(
+                f"SamplingParams for training rollouts cannot use {', '.join(truncations)}: "
+                "SGLang samples from the truncated distribution but records the log-probs of "
+                "the full softmax(logits / temperature), which the trainer also scores, so the "
+                "importance ratios pi_train / pi_gen of the sampled tokens would be biased. Use "
+                "top_p=1, top_k=-1, min_p=0 and temperature > 0 for training, or "
+                "purpose='eval' for evaluation sampling, whose log-probs feed no ratio")
+
+    @classmethod
+    def for_training(cls, rollout, *, max_new_tokens: int, **fields) -> "SamplingParams":
+        """Training-rollout sampling from megatron_rl.config's RolloutConfig: its temperature
+        (the trainer scores log softmax(logits / T) with the same value) and top_p (1.0: the
+        config refuses anything else), G = samples_per_prompt completions per prompt."""
+        return cls(max_new_tokens=max_new_tokens, temperature=rollout.temperature,
+                   top_p=rollout.top_p, num_samples=rollout.samples_per_prompt,
+                   purpose="train", **fields)
 
     def to_sglang(self) -> dict:
         params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "top_k": self.top_k, "ignore_eos": self.ignore_eos}
+        if self.min_p > 0.0:
+            params["min_p"] = self.min_p
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         if self.seed is not None:

@@ -4,7 +4,12 @@ The model runs up to its final norm; GPTModel's `output_processor` hook (megatro
 then hands us the final hidden states and the (vocab-parallel) LM-head weight instead of computing
 logits. We gather sequence-parallel hidden states over TP, keep only loss positions, and compute
 FP32 log-probs and entropy of the generated tokens in chunks with
-`megatron_rl.ops.vocab_parallel_chunked_logprobs` (never a [tokens, vocab] FP32 tensor).
+`megatron_rl.ops.vocab_parallel_chunked_logprobs` (never a [tokens, vocab] FP32 tensor), at the
+generator's sampling temperature: pi_train is softmax(logits / T), the distribution the recorded
+pi_gen log-probs are of, so rho, CISPO's truncation, the mismatch metric and the entropy metric
+all refer to the sampling distribution. With fp32_lm_head=False (model.fp32_lm_head, the ablation
+of SCALERL.md section 6) the head's logits GEMM runs in the model's params dtype and only the
+log-softmax and entropy in FP32, as megatron-core's own output layer and cross-entropy do.
 
 Exact aggregation. Each token's loss is multiplied by `token_weights(...)`, built from
 denominators counted over the WHOLE global batch, so a micro-batch's scalar loss is its share of
@@ -56,13 +61,18 @@ class ForwardBackwardResult:
 
 
 def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: ParallelGroups,
-                         denominators, settings: LossSettings, *,
+                         denominators, settings: LossSettings, *, temperature: float,
+                         fp32_lm_head: bool = True,
                          forward_only: bool = False) -> ForwardBackwardResult:
-    """Forward (and backward) all micro-batches of this rank through Megatron's schedule."""
+    """Forward (and backward) all micro-batches of this rank through Megatron's schedule.
+    `temperature`: the one the rollouts were sampled at (rollout.temperature); required, since
+    scoring at any other one silently biases every importance ratio. `fp32_lm_head`: the head's
+    logits GEMM in FP32 (False: in the params dtype, log-softmax still FP32)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_step = functools.partial(_forward_step, groups=groups, denominators=denominators,
-                                     settings=settings)
+                                     settings=settings, temperature=temperature,
+                                     fp32_lm_head=fp32_lm_head)
     first = micro_batches[0]
     outputs = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
@@ -82,9 +92,11 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
         num_tokens=int(values["num_tokens"]))
 
 
-def _forward_step(data_iterator, model, *, groups, denominators, settings):
+def _forward_step(data_iterator, model, *, groups, denominators, settings, temperature,
+                  fp32_lm_head=True):
     micro_batch: MicroBatch = next(data_iterator)
-    head = functools.partial(_fp32_logprob_head, groups=groups, settings=settings)
+    head = functools.partial(_fp32_logprob_head, groups=groups, settings=settings,
+                             temperature=temperature, fp32_lm_head=fp32_lm_head)
     output = model(micro_batch.input_ids, micro_batch.position_ids, None,
                    padding_mask=micro_batch.padding_mask, output_processor=head,
                    output_processor_context=micro_batch)
@@ -93,8 +105,11 @@ def _forward_step(data_iterator, model, *, groups, denominators, settings):
 
 
 def _fp32_logprob_head(*, hidden_states, output_layer, output_weight, context: MicroBatch,
-                       groups: ParallelGroups, settings: LossSettings, **_unused):
-    """GPTModel output_processor: FP32 log pi(target) [num_loss_tokens] at the loss positions."""
+                       groups: ParallelGroups, settings: LossSettings, temperature: float = 1.0,
+                       fp32_lm_head: bool = True, **_unused):
+    """GPTModel output_processor: FP32 log pi(target) [num_loss_tokens] at the loss positions,
+    pi = softmax(logits / temperature); the entropy left in `context` is of the same pi. The
+    logits GEMM is FP32, or with fp32_lm_head=False in the hidden states' and weight's dtype."""
     from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
                                                gather_from_sequence_parallel_region)
 
@@ -118,7 +133,8 @@ def _fp32_logprob_head(*, hidden_states, output_layer, output_weight, context: M
         hidden[mask], weight, context.targets[mask],
         vocab_start_index=groups.tp_rank * weight.shape[0],
         group=groups.tp if groups.tp_size > 1 else None,
-        chunk_size=settings.logprob_chunk_size, compute_entropy=True)
+        chunk_size=settings.logprob_chunk_size, compute_entropy=True, temperature=temperature,
+        fp32_head=fp32_lm_head)
     context.entropy = entropy
     return logp  # [num_loss_tokens] fp32
 

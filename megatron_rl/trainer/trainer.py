@@ -34,16 +34,23 @@ class TrainerSettings:
     fp8_recipe: str | None = None  # None | "delayed" | "current" (Transformer Engine, GPU)
     use_transformer_engine: bool | None = None  # None: whenever TE is available
     loss: LossSettings = LossSettings()
+    # rollout.temperature: the head scores softmax(logits / T), the distribution the generator
+    # sampled from and recorded its log-probs of; at any other T every ratio rho is biased.
+    temperature: float = 1.0
+    # model.fp32_lm_head: the head's logits GEMM in FP32 (SCALERL.md section 6); False is the
+    # ablation, the GEMM in the params dtype with the log-softmax and entropy still in FP32.
+    fp32_lm_head: bool = True
     optimizer: OptimizerSettings = OptimizerSettings()
     micro_batch_max_tokens: int = 16384
     seed: int = 1234
+    checkpoint_format: str = "torch_dist"  # Megatron dist_checkpointing save backend
     # TransformerConfig fields on top of the family's (tests: smaller models, aux-loss off, ...).
     config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_run_config(cls, run, **config_overrides: Any) -> "TrainerSettings":
         """From a megatron_rl.config RunConfig (sections model, parallelism, algorithm, train,
-        optimizer)."""
+        optimizer; rollout.temperature, the sampling temperature the head must score at)."""
         algorithm, train, optim = run.algorithm, run.train, run.optimizer
         gspo = algorithm.loss == "gspo"
         return cls(
@@ -52,19 +59,22 @@ class TrainerSettings:
             precision=_DTYPE_TO_PRECISION[run.model.params_dtype],
             fp8_recipe=run.model.fp8,
             use_transformer_engine=run.model.use_transformer_engine,
+            temperature=run.rollout.temperature,
+            fp32_lm_head=run.model.fp32_lm_head,
             loss=LossSettings(
                 kind=algorithm.loss, aggregation=algorithm.aggregation,
                 eps_max=algorithm.eps_max,
                 eps_low=algorithm.gspo_eps_low if gspo else algorithm.eps_low,
                 eps_high=algorithm.gspo_eps_high if gspo else algorithm.eps_high),
             optimizer=OptimizerSettings(
-                lr=train.lr, lr_warmup_steps=train.lr_warmup_steps,
+                name=optim.name, lr=train.lr, lr_warmup_steps=train.lr_warmup_steps,
                 lr_schedule=train.lr_schedule, min_lr=train.min_lr, num_steps=train.num_steps,
                 clip_grad=train.clip_grad, weight_decay=optim.weight_decay,
                 adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2,
                 adam_eps=optim.adam_eps,
                 use_distributed_optimizer=optim.use_distributed_optimizer),
             micro_batch_max_tokens=train.micro_batch_max_tokens, seed=run.seed,
+            checkpoint_format=run.checkpoint.format,
             config_overrides=config_overrides)
 
 
@@ -140,7 +150,8 @@ class RLTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         result = run_forward_backward(self.model, micro_batches, self.groups, denominators,
-                                      self.settings.loss)
+                                      self.settings.loss, temperature=self.settings.temperature,
+                                      fp32_lm_head=self.settings.fp32_lm_head)
         finite = math.isfinite(result.loss) and self._grads_finite()
         grad_norm = math.nan
         if finite:
@@ -176,7 +187,8 @@ class RLTrainer:
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None) -> None:
         save_checkpoint(directory, self.model, self.optimizer, self.scheduler, layout=self.layout,
                         groups=self.groups, step=self.step,
-                        num_skipped_steps=self.num_skipped_steps, extra_state=extra_state)
+                        num_skipped_steps=self.num_skipped_steps, extra_state=extra_state,
+                        checkpoint_format=self.settings.checkpoint_format)
 
     def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointState:
         state = load_checkpoint(directory, self.model, self.optimizer, self.scheduler,

@@ -21,6 +21,8 @@ class Case:
     chunk_size: int
     dtype: str
     megatron_copy_region: bool  # hidden through Megatron's copy_to_tensor_model_parallel_region
+    temperature: float = 1.0  # the sampling temperature the logits are divided by
+    fp32_head: bool = True  # False: each shard's logits GEMM in the inputs' dtype (BF16)
 
 
 CASES = (
@@ -30,6 +32,13 @@ CASES = (
     Case("fp32_single_token", 1, 6, (4, 5), 1, "float32", False),
     Case("bf16", 12, 16, (8, 8), 5, "bfloat16", False),
     Case("fp32_megatron_copy_region", 10, 8, (6, 6), 4, "float32", True),
+    # At a sampling temperature T != 1 every shard divides its logits by T before the collectives.
+    Case("fp32_temperature_0.7_uneven_shards", 9, 8, (7, 6), 4, "float32", False, 0.7),
+    Case("bf16_temperature_1.3", 12, 16, (8, 8), 5, "bfloat16", False, 1.3),
+    Case("fp32_temperature_0.7_megatron_copy_region", 10, 8, (6, 6), 3, "float32", True, 0.7),
+    # model.fp32_lm_head=false: every shard's BF16 GEMM cast to FP32 before the collectives.
+    Case("bf16_gemm_head_temperature_0.7_uneven_shards", 12, 16, (9, 7), 5, "bfloat16", False,
+         0.7, fp32_head=False),
 )
 
 
@@ -60,6 +69,7 @@ def run_case(case: Case, rank: int, group: dist.ProcessGroup) -> dict[str, torch
     logprobs, entropy = vocab_parallel_chunked_logprobs(
         op_input, weight_shard, inputs["targets"],
         vocab_start_index=vocab_start_index, group=group, chunk_size=case.chunk_size,
+        temperature=case.temperature, fp32_head=case.fp32_head,
     )
     (logprobs * inputs["grad_out"]).sum().backward()
     return {

@@ -1,8 +1,10 @@
 """Vocab-parallel chunked log-probs over 2 gloo ranks equal the single-rank op (and the naive full
 -logits reference): values on every rank, the hidden gradient summed over ranks (or all-reduced by
 Megatron's copy_to_tensor_model_parallel_region), and each rank's weight-shard gradient equal to
-its slice of the single-rank weight gradient. One torchrun launch runs every case
-(_vocab_parallel_worker.py); this module compares what the ranks saved.
+its slice of the single-rank weight gradient; also at sampling temperatures T != 1 (logits / T,
+against the single-rank op and the naive reference at the same T), and with fp32_head=False (the
+BF16 logits GEMM cast to FP32; the naive reference computes its logits the same way). One torchrun
+launch runs every case (_vocab_parallel_worker.py); this module compares what the ranks saved.
 
 Tolerances: FP32 1e-5 (abs and rel; only reduction order differs). BF16: values are FP32 (1e-5);
 each rank rounds its partial hidden gradient to BF16 before the sum, so the summed gradient agrees
@@ -34,8 +36,12 @@ def rank_results(tmp_path_factory, torchrun) -> list[dict]:
     ]
 
 
-def naive_values(hidden, weight, targets):
-    log_probs = torch.log_softmax(hidden.float() @ weight.float().t(), dim=-1)  # [T, V]
+def naive_values(hidden, weight, targets, temperature, fp32_head):
+    if fp32_head:
+        logits = hidden.float() @ weight.float().t()  # [tokens, vocab]
+    else:
+        logits = (hidden @ weight.t()).float()  # the GEMM in the inputs' dtype
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
     entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
     return log_probs.gather(1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
@@ -44,7 +50,8 @@ def single_rank(result):
     hidden = result["hidden"].clone().requires_grad_(True)
     weight = result["weight"].clone().requires_grad_(True)
     logprobs, entropy = chunked_logprobs(
-        hidden, weight, result["targets"], chunk_size=result["case"]["chunk_size"]
+        hidden, weight, result["targets"], chunk_size=result["case"]["chunk_size"],
+        temperature=result["case"]["temperature"], fp32_head=result["case"]["fp32_head"],
     )
     (logprobs * result["grad_out"]).sum().backward()
     return logprobs.detach(), entropy, hidden.grad, weight.grad
@@ -57,6 +64,10 @@ CASE_NAMES = [
     "fp32_single_token",
     "bf16",
     "fp32_megatron_copy_region",
+    "fp32_temperature_0.7_uneven_shards",
+    "bf16_temperature_1.3",
+    "fp32_temperature_0.7_megatron_copy_region",
+    "bf16_gemm_head_temperature_0.7_uneven_shards",
 ]
 
 
@@ -65,10 +76,17 @@ def test_matches_single_rank(rank_results, name):
     per_rank = [results[name] for results in rank_results]
     ref_logprobs, ref_entropy, ref_grad_hidden, ref_grad_weight = single_rank(per_rank[0])
     naive_logprobs, naive_entropy = naive_values(
-        per_rank[0]["hidden"], per_rank[0]["weight"], per_rank[0]["targets"]
+        per_rank[0]["hidden"], per_rank[0]["weight"], per_rank[0]["targets"],
+        per_rank[0]["case"]["temperature"], per_rank[0]["case"]["fp32_head"],
     )
     assert_close(ref_logprobs, naive_logprobs, **FP32_TOL)
     assert_close(ref_entropy, naive_entropy, **FP32_TOL)
+    if not per_rank[0]["case"]["fp32_head"]:  # the BF16 GEMM's rounding shows: not the FP32 head
+        fp32_logprobs, _ = naive_values(
+            per_rank[0]["hidden"], per_rank[0]["weight"], per_rank[0]["targets"],
+            per_rank[0]["case"]["temperature"], True,
+        )
+        assert (ref_logprobs - fp32_logprobs).abs().max() > 1e-3
     for rank, result in enumerate(per_rank):
         def on_rank(message, rank=rank):
             return f"rank {rank}: {message}"

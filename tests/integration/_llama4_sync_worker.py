@@ -145,7 +145,7 @@ def main() -> None:
         result["trainer_vs_transformers"] = max_abs_diff(train_logp, hf_logp)
 
         greedy = generator.generate(PROMPTS, SamplingParams(
-            max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True))
+            max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True, purpose="eval"))
         result["greedy_generator"] = [list(g.token_ids) for g in greedy]
         result["greedy_versions"] = [list(g.versions) for g in greedy]
         result["greedy_transformers"] = transformers_greedy(reference, PROMPTS, MAX_NEW_TOKENS)

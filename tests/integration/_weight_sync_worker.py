@@ -6,7 +6,8 @@ LAYOUT: "tp2" (dense) or "tp2_ep2" (MoE: TP2 + SP for dense parts, EP2 x ETP1 fo
 Rank 0 writes the measured values to OUT_JSON; the pytest side asserts on them.
 Steps: trainer FP32 log-probs of fixed sequences vs the generator's before any sync (stale) and
 after sync 1; greedy completions vs transformers on the synced weights; the trainer's
-logp_mismatch metric on generator-sampled completions; a train step changes the weights and sync 2
+logp_mismatch metric on generator-sampled completions, at T = 1 and at T = 0.7 (the trainer's head
+scoring logits / T, per token and through the step); a train step changes the weights and sync 2
 makes the generator follow; a sync to a dead server fails on every rank without touching the
 trainer; a sync after that works again.
 """
@@ -37,10 +38,13 @@ LAYOUTS = {
 SEQUENCES = [[5, 17, 42, 99, 7, 250, 3, 64, 128, 11], [200, 4, 4, 31, 77, 150, 9, 18],
              [2, 300, 45, 61, 19, 88, 101, 7, 7, 250, 13, 6]]
 PROMPTS = [[5, 17, 42, 99], [200, 4, 31], [2, 300, 45, 61, 19]]
+TEMPERATURE = 0.7  # a sampling temperature != 1: SGLang records log softmax(logits / T)
 
 
-def trainer_logprobs(trainer: RLTrainer, sequences) -> list[torch.Tensor]:
-    """The trainer's own FP32 log pi(seq[t] | seq[:t]), t >= 1, through its RL loss head."""
+def trainer_logprobs(trainer: RLTrainer, sequences,
+                     temperature: float = 1.0) -> list[torch.Tensor]:
+    """The trainer's own FP32 log pi(seq[t] | seq[:t]), t >= 1, through its RL loss head;
+    pi = softmax(logits / temperature)."""
     from megatron_rl.trainer.step import _fp32_logprob_head
 
     n = len(sequences)
@@ -50,7 +54,7 @@ def trainer_logprobs(trainer: RLTrainer, sequences) -> list[torch.Tensor]:
         old_logprobs=[torch.zeros(len(s)) for s in sequences],
         advantages=torch.zeros(n), prompt_ids=torch.arange(n), sample_ids=torch.arange(n))
     head = functools.partial(_fp32_logprob_head, groups=trainer.groups,
-                             settings=trainer.settings.loss)
+                             settings=trainer.settings.loss, temperature=temperature)
     out = [None] * n
     trainer.model.eval()
     with torch.no_grad():
@@ -105,6 +109,48 @@ def max_abs_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+def as_payload(results) -> list:
+    return [(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs), r.prompt_index,
+             r.sample_index) for r in results]
+
+
+def from_payload(payload) -> list:
+    from megatron_rl.rollout import GenerationResult
+
+    return [GenerationResult(prompt_index=p, sample_index=k, prompt_token_ids=tuple(pr),
+                             token_ids=tuple(c), logprobs=tuple(lp), versions=(1,) * len(c),
+                             finish_reason="length") for pr, c, lp, p, k in payload]
+
+
+def completion_logprobs(trainer: RLTrainer, sampled, temperature: float) -> torch.Tensor:
+    """The trainer's per-token log-probs of the sampled completion tokens, concatenated."""
+    sequences = [list(r.prompt_token_ids) + list(r.token_ids) for r in sampled]
+    per_token = trainer_logprobs(trainer, sequences, temperature)
+    return torch.cat([lp[len(r.prompt_token_ids) - 1:] for lp, r in zip(per_token, sampled)])
+
+
+def tempered_check(trainer: RLTrainer, sampled) -> dict:
+    """Completions sampled at TEMPERATURE: the trainer's head at the same T reproduces the
+    generator's log-probs per token and in the step's mismatch metric (forward only, weights
+    untouched); at T = 1 (the old behaviour) it does not."""
+    from megatron_rl.algorithms import AggregationDenominators
+    from megatron_rl.trainer.step import run_forward_backward
+
+    gen = torch.tensor([x for r in sampled for x in r.logprobs])
+    tempered = completion_logprobs(trainer, sampled, TEMPERATURE)
+    batch = sampled_batch(sampled)
+    denominators = AggregationDenominators.from_sample_token_counts(
+        batch.sample_num_loss_tokens(), batch.prompt_of_sample())
+    step = run_forward_backward(trainer.model, trainer.micro_batches(batch), trainer.groups,
+                                denominators, trainer.settings.loss, temperature=TEMPERATURE,
+                                forward_only=True)
+    return {"max_diff": float((tempered - gen).abs().max()),
+            "independent_mismatch": logprob_mismatch(tempered, gen),
+            "step_logp_mismatch": step.abs_logp_diff_sum / step.num_loss_tokens,
+            "untempered_max_diff": float((completion_logprobs(trainer, sampled, 1.0) - gen)
+                                         .abs().max())}
+
+
 def main() -> None:
     from megatron_rl.weight_sync import WeightSync, WeightSyncError, WeightSyncSettings
 
@@ -140,29 +186,24 @@ def main() -> None:
         gen_logp = generator.score(SEQUENCES)
         result["synced_max_diff"] = max_abs_diff(train_logp, gen_logp)
         greedy = generator.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0.0,
-                                                            ignore_eos=True))
+                                                            ignore_eos=True, purpose="eval"))
         result["greedy_generator"] = [list(g.token_ids) for g in greedy]
         result["greedy_versions"] = [list(g.versions) for g in greedy]
         result["greedy_transformers"] = transformers_greedy(model_dir, hf_state, PROMPTS, 8)
         sampled = generator.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0,
                                                              num_samples=2, seed=3))
-        payload = [(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs),
-                    r.prompt_index, r.sample_index) for r in sampled]
+        tempered = generator.generate(PROMPTS, SamplingParams(
+            max_new_tokens=6, temperature=TEMPERATURE, num_samples=2, seed=5))
+        shared = [as_payload(sampled), as_payload(tempered)]
     else:
-        payload = None
-    shared = [payload]
+        shared = [None, None]
     torch.distributed.broadcast_object_list(shared, src=0)
-    from megatron_rl.rollout import GenerationResult
-
-    sampled = [GenerationResult(prompt_index=p, sample_index=k, prompt_token_ids=tuple(pr),
-                                token_ids=tuple(c), logprobs=tuple(lp), versions=(1,) * len(c),
-                                finish_reason="length") for pr, c, lp, p, k in shared[0]]
+    sampled, tempered = from_payload(shared[0]), from_payload(shared[1])
+    # Before the step below moves the trainer away from the generator's (sync 1) weights.
+    result["tempered"] = tempered_check(trainer, tempered)
     batch = sampled_batch(sampled)
     # The mismatch metric, independently: trainer per-token log-probs of the sampled tokens.
-    sequences = [list(r.prompt_token_ids) + list(r.token_ids) for r in sampled]
-    per_token = trainer_logprobs(trainer, sequences)
-    train_sampled = torch.cat([lp[len(r.prompt_token_ids) - 1:]
-                               for lp, r in zip(per_token, sampled)])
+    train_sampled = completion_logprobs(trainer, sampled, 1.0)
     gen_sampled = torch.tensor([x for r in sampled for x in r.logprobs])
     result["independent_mismatch"] = logprob_mismatch(train_sampled, gen_sampled)
     metrics = trainer.train_step(batch)  # changes the weights (lr 3e-2)

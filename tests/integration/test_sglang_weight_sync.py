@@ -5,7 +5,8 @@ also syncs through the colocated-tensor and disk transports.
 
 References: the trainer's own FP32 log-probs (Megatron at TP2, computed without any gather) and
 transformers' greedy decoding of the synced weights. Tolerance: generator and trainer log-probs
-agree to 1e-4 per token (both fp32; measured ~1e-6).
+agree to 1e-4 per token (both fp32; measured ~1e-6), also for completions sampled at T = 0.7,
+whose recorded log-probs are log softmax(logits / T) and which the trainer scores at the same T.
 """
 from __future__ import annotations
 
@@ -93,6 +94,14 @@ def _check_sync_results(result: dict) -> None:
     assert result["step_logp_mismatch"] == pytest.approx(result["independent_mismatch"],
                                                          abs=1e-6)
     assert result["step_logp_mismatch"] < LOGPROB_TOLERANCE and not result["step_skipped"]
+    # Sampled at T = 0.7: the trainer's head at the same T gives the generator's log-probs, per
+    # token and in the step's metric; scoring at T = 1 instead is far off.
+    tempered = result["tempered"]
+    assert tempered["max_diff"] < LOGPROB_TOLERANCE, tempered
+    assert tempered["step_logp_mismatch"] == pytest.approx(tempered["independent_mismatch"],
+                                                           abs=1e-6)
+    assert tempered["step_logp_mismatch"] < LOGPROB_TOLERANCE, tempered
+    assert tempered["untempered_max_diff"] > 0.01, tempered
     # The step moved the trainer; the generator lagged until sync 2 made it follow.
     assert result["trainer_moved"] > 0.01
     assert result["before_sync2_max_diff"] > 0.01

@@ -4,6 +4,11 @@ the naive reference: full FP32 logits, log_softmax, gather, with autograd for th
 Tolerances: FP32 inputs 1e-5 (abs and rel; only the summation order differs). BF16 inputs: values
 are still FP32 and agree to 1e-5; gradients are FP32 internally and rounded once to BF16, so they
 agree to one BF16 rounding (rel 2**-7) of the naive gradient, which is rounded the same way.
+At a sampling temperature T != 1 the reference is independent of the op's own arithmetic:
+log_softmax(logits / T) in float64 with autograd, to the same FP32 tolerance.
+With fp32_head=False (the ablation of the FP32 head) the reference is the BF16 GEMM cast to FP32,
+(hidden_bf16 @ weight_bf16^T).float(), then the same float64 log_softmax with autograd: values
+to the FP32 tolerance, gradients (rounded to BF16 by autograd of the cast) to one BF16 rounding.
 """
 
 import math
@@ -58,6 +63,122 @@ def test_hand_computed_example():
     ln2 = math.log(2.0)
     expected_grad_weight = torch.tensor([[0.5 * ln2, 0.0], [-0.25 * ln2, 0.0], [-0.25 * ln2, 0.0]])
     assert_close(weight.grad, expected_grad_weight)
+
+
+def float64_tempered_logprobs(hidden, weight, targets, *, temperature):
+    """The reference at a sampling temperature: whole float64 logits / T, log_softmax, gather."""
+    log_probs = torch.log_softmax((hidden.double() @ weight.double().t()) / temperature, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return log_probs.gather(1, targets.unsqueeze(-1)).squeeze(-1), entropy.detach()
+
+
+def test_hand_computed_example_at_temperature_2():
+    # logits [2 ln 2, 0, 0] / 2 = [ln 2, 0, 0] -> softmax [1/2, 1/4, 1/4], as in the T = 1 example.
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]], requires_grad=True)
+    hidden = torch.tensor([[2.0 * math.log(2.0), 0.0]], requires_grad=True)
+    logprobs, entropy = chunked_logprobs(
+        hidden, weight, torch.tensor([0]), chunk_size=1, temperature=2.0
+    )
+    logprobs.sum().backward()
+    assert_close(logprobs, torch.tensor([math.log(0.5)]))
+    assert_close(entropy, torch.tensor([1.5 * math.log(2.0)]))  # of the tempered distribution
+    # d logp / d logits = (onehot - softmax) / T = [1/4, -1/8, -1/8]
+    assert_close(hidden.grad, torch.tensor([[0.25, -0.125]]))
+    ln2 = math.log(2.0)
+    expected_grad_weight = torch.tensor([[0.5 * ln2, 0.0], [-0.25 * ln2, 0.0], [-0.25 * ln2, 0.0]])
+    assert_close(weight.grad, expected_grad_weight)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])  # one row; 5 + 5 + 3 rows; one chunk
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_temperature_matches_float64_reference(temperature, chunk_size):
+    """Log-probs, entropy and both gradients are those of softmax(logits / T): the distribution
+    SGLang samples from and records log-probs of."""
+    inputs = make_inputs(num_tokens=13, hidden_size=8, vocab_size=37, dtype=torch.float32, seed=11)
+    got = values_and_grads(chunked_logprobs, *inputs, chunk_size=chunk_size,
+                           temperature=temperature)
+    ref = values_and_grads(float64_tempered_logprobs, *(t.double() if t.is_floating_point() else t
+                                                        for t in inputs), temperature=temperature)
+    names = ("logprobs", "entropy", "grad_hidden", "grad_weight")
+    for name, value, expected in zip(names, got, ref):
+        assert value.dtype == torch.float32, name
+        assert_close(value.double(), expected, **FP32_TOL, msg=lambda m, name=name: f"{name}: {m}")
+    # Not the T = 1 values: the temperature is applied, not ignored.
+    untempered = values_and_grads(chunked_logprobs, *inputs, chunk_size=chunk_size)
+    assert (got[0] - untempered[0]).abs().max() > 1e-2
+
+
+def test_temperature_bf16_and_still_chunked():
+    """BF16 inputs at T != 1 (values FP32, gradients rounded once to BF16), and the scaling adds
+    no [tokens, vocab] tensor."""
+    inputs = make_inputs(num_tokens=16, hidden_size=24, vocab_size=37, dtype=torch.bfloat16)
+    got = values_and_grads(chunked_logprobs, *inputs, chunk_size=7, temperature=0.7)
+    ref = values_and_grads(float64_tempered_logprobs, *inputs, temperature=0.7)
+    assert_close(got[0].double(), ref[0].double(), **FP32_TOL)
+    assert_close(got[1].double(), ref[1].double(), **FP32_TOL)
+    assert_close(got[2], ref[2], **BF16_GRAD_TOL)
+    assert_close(got[3], ref[3], **BF16_GRAD_TOL)
+    num_tokens, hidden_size, vocab_size, chunk_size = 64, 4, 50, 8
+    with _LargestOutput() as mode:
+        values_and_grads(chunked_logprobs, *make_inputs(num_tokens, hidden_size, vocab_size,
+                                                        torch.float32),
+                         chunk_size=chunk_size, temperature=0.7)
+    assert mode.max_numel == max(chunk_size * vocab_size, vocab_size * hidden_size)
+
+
+def bf16_gemm_logprobs(hidden, weight, targets, *, temperature=1.0):
+    """The fp32_head=False reference: the whole logits GEMM in the inputs' dtype, cast to FP32,
+    then log_softmax(logits / T) in float64; autograd rounds the logit gradient to that dtype."""
+    logits = (hidden @ weight.t()).float()  # [T, V]
+    log_probs = torch.log_softmax(logits.double() / temperature, dim=-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+    return log_probs.gather(1, targets.unsqueeze(-1)).squeeze(-1), entropy.detach()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])  # one row; 5 + 5 + 5 + 1 rows; one chunk
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_gemm_head_matches_its_reference_and_not_the_fp32_head(temperature, chunk_size):
+    """fp32_head=False (model.fp32_lm_head=false): log-probs, entropy and both gradients are those
+    of the BF16 logits GEMM cast to FP32; the FP32 head (the default) is the FP32 reference's."""
+    inputs = make_inputs(num_tokens=16, hidden_size=24, vocab_size=37, dtype=torch.bfloat16,
+                         seed=5)
+    got = values_and_grads(chunked_logprobs, *inputs, chunk_size=chunk_size,
+                           temperature=temperature, fp32_head=False)
+    ref = values_and_grads(bf16_gemm_logprobs, *inputs, temperature=temperature)
+    names = ("logprobs", "entropy", "grad_hidden", "grad_weight")
+    for name, value, expected, tol in zip(names, got, ref, (FP32_TOL, FP32_TOL,
+                                                            BF16_GRAD_TOL, BF16_GRAD_TOL)):
+        assert value.dtype == (torch.float32 if name in names[:2] else torch.bfloat16), name
+        assert_close(value.double(), expected.double(), **tol,
+                     msg=lambda m, name=name: f"{name}: {m}")
+    fp32_head = values_and_grads(chunked_logprobs, *inputs, chunk_size=chunk_size,
+                                 temperature=temperature)
+    fp32_ref = values_and_grads(float64_tempered_logprobs, *inputs, temperature=temperature)
+    assert_close(fp32_head[0].double(), fp32_ref[0].double(), **FP32_TOL)
+    assert_close(fp32_head[1].double(), fp32_ref[1].double(), **FP32_TOL)
+    # The BF16 rounding of logits of order 10 (2**-9 relative) shows in every output.
+    for name, bf16_value, fp32_value in zip(names, got, fp32_head):
+        assert (bf16_value.double() - fp32_value.double()).abs().max() > 1e-3, name
+    assert (got[0].double() - fp32_ref[0].double()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_gemm_head_is_the_fp32_head_at_fp32_inputs(temperature):
+    inputs = make_inputs(num_tokens=13, hidden_size=8, vocab_size=37, dtype=torch.float32, seed=2)
+    bf16_gemm = values_and_grads(chunked_logprobs, *inputs, chunk_size=5,
+                                 temperature=temperature, fp32_head=False)
+    fp32_head = values_and_grads(chunked_logprobs, *inputs, chunk_size=5,
+                                 temperature=temperature, fp32_head=True)
+    for value, expected in zip(bf16_gemm, fp32_head):
+        assert torch.equal(value, expected)
+
+
+def test_bf16_gemm_head_is_still_chunked():
+    num_tokens, hidden_size, vocab_size, chunk_size = 64, 4, 50, 8
+    inputs = make_inputs(num_tokens, hidden_size, vocab_size, torch.bfloat16)
+    with _LargestOutput() as mode:
+        values_and_grads(chunked_logprobs, *inputs, chunk_size=chunk_size, fp32_head=False)
+    assert mode.max_numel == max(chunk_size * vocab_size, vocab_size * hidden_size)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 7, 16, 64])  # divides 16 or not; larger than T
@@ -224,6 +345,9 @@ def test_never_materialises_tokens_by_vocab():
         ((2, 4), (5, 4), [0, 1], {"chunk_size": 0}, ValueError, "chunk_size"),
         ((2, 4), (5, 4), [0, 5], {}, ValueError, r"target id 5 \(token 1\) is owned by 0"),
         ((2, 4), (5, 4), [-1, 0], {}, ValueError, r"target id -1 \(token 0\)"),
+        ((2, 4), (5, 4), [0, 1], {"temperature": 0.0}, ValueError, "temperature must be"),
+        ((2, 4), (5, 4), [0, 1], {"temperature": -0.7}, ValueError, "temperature must be"),
+        ((2, 4), (5, 4), [0, 1], {"temperature": math.inf}, ValueError, "temperature must be"),
     ],
 )
 def test_bad_input_raises_a_clear_error(hidden_shape, weight_shape, targets, kwargs, error, match):

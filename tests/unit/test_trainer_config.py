@@ -88,3 +88,76 @@ def test_settings_from_run_config():
     assert settings.micro_batch_max_tokens == run.train.micro_batch_max_tokens
     assert settings.layout.tensor_model_parallel_size \
         == run.parallelism.tensor_model_parallel_size
+
+
+def test_settings_carry_the_sampling_temperature():
+    """The head must score logits / T at the generator's sampling temperature: RunConfig's
+    rollout.temperature reaches TrainerSettings (the step passes it to the FP32 head)."""
+    from megatron_rl import config
+    from megatron_rl.trainer import TrainerSettings
+
+    assert TrainerSettings.from_run_config(config.RunConfig()).temperature == 1.0
+    run = config.load_config(None, ["rollout.temperature=0.7"])
+    assert TrainerSettings.from_run_config(run).temperature == 0.7
+
+
+def test_settings_carry_fp32_lm_head():
+    """model.fp32_lm_head reaches TrainerSettings (the step passes it to the head): true, the
+    ScaleRL default, is the FP32 logits GEMM; false the params-dtype GEMM ablation."""
+    from megatron_rl import config
+    from megatron_rl.trainer import TrainerSettings
+
+    assert TrainerSettings.from_run_config(config.RunConfig()).fp32_lm_head is True
+    run = config.load_config(None, ["model.fp32_lm_head=false"])
+    assert TrainerSettings.from_run_config(run).fp32_lm_head is False
+
+
+class _SingleRankGroup:
+    """What Megatron's TP region ops ask of a group of one: its size (no process group needed)."""
+
+    def size(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("fp32_lm_head", [True, False])
+def test_forward_step_passes_fp32_lm_head_to_the_head(fp32_lm_head):
+    """_forward_step's head scores BF16 hidden states with the BF16 output weight exactly as
+    chunked_logprobs(fp32_head=fp32_lm_head) does: the flag reaches the op."""
+    import types
+
+    from megatron_rl.ops import chunked_logprobs
+    from megatron_rl.trainer import LossSettings, MicroBatch, ParallelGroups
+    from megatron_rl.trainer.step import _forward_step
+
+    gen = torch.Generator().manual_seed(0)
+    seq_len, hidden_size, vocab_size = 6, 16, 29
+    hidden_states = torch.randn(seq_len, 1, hidden_size, generator=gen).bfloat16()  # [s, b, h]
+    weight = torch.randn(vocab_size, hidden_size, generator=gen).bfloat16()  # [V, h]
+    targets = torch.randint(0, vocab_size, (1, seq_len), generator=gen)
+    loss_mask = torch.tensor([[False, True, True, False, True, True]])
+    zeros = torch.zeros(1, seq_len)
+    micro_batch = MicroBatch(
+        input_ids=targets, position_ids=torch.arange(seq_len)[None], targets=targets,
+        loss_mask=loss_mask, old_logprobs=zeros, advantages=zeros,
+        sample_index=torch.zeros_like(targets), prompt_index=torch.zeros_like(targets),
+        padding_mask=torch.zeros_like(loss_mask))
+    group = _SingleRankGroup()
+    groups = ParallelGroups(tp=group, pp=group, dp=group, expert_dp=group, world_size=1,
+                            tp_rank=0, pp_rank=0, dp_rank=0, tp_size=1, pp_size=1, dp_size=1)
+
+    def model(*_args, output_processor, output_processor_context, **_kwargs):
+        return output_processor(
+            hidden_states=hidden_states, output_layer=types.SimpleNamespace(
+                sequence_parallel=False, weight=weight),
+            output_weight=None, context=output_processor_context)
+
+    logp, _ = _forward_step(iter([micro_batch]), model, groups=groups, denominators=None,
+                            settings=LossSettings(logprob_chunk_size=3), temperature=0.7,
+                            fp32_lm_head=fp32_lm_head)
+    hidden = hidden_states.transpose(0, 1)[loss_mask]  # [num_loss_tokens, h]
+    expected, entropy = chunked_logprobs(hidden, weight, targets[loss_mask], chunk_size=3,
+                                         temperature=0.7, fp32_head=fp32_lm_head)
+    other, _ = chunked_logprobs(hidden, weight, targets[loss_mask], chunk_size=3,
+                                temperature=0.7, fp32_head=not fp32_lm_head)
+    assert torch.equal(logp, expected) and torch.equal(micro_batch.entropy, entropy)
+    assert not torch.allclose(logp, other, atol=1e-4, rtol=0)
