@@ -15,6 +15,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "cost": ("megatron_rl.scaling.cost", "estimate GPU-hours and the generator:trainer split"),
     "convert": ("megatron_rl.convert", "convert checkpoints between HF and Megatron"),
 }
+# Subcommands that load torch / Megatron / transformers: they print the one-line environment
+# summary (megatron_rl.console); the light ones stay light.
+LOADS_THE_STACK = frozenset({"convert"})
 # Named in DESIGN.md but not built yet: say so instead of failing on a missing module.
 PLANNED: dict[str, str] = {
     "train": "the RL driver arrives with the Pipeline-RL loop; `make demo` runs the tiny CPU run",
@@ -26,12 +29,15 @@ def _usage() -> str:
     width = max(map(len, SUBCOMMANDS))
     lines = ["usage: megatron-rl SUBCOMMAND [ARGS...]", "", "subcommands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += ["", "`megatron-rl SUBCOMMAND --help` shows the subcommand's arguments."]
+    lines += ["", "`megatron-rl SUBCOMMAND --help` shows the subcommand's arguments; `-v` (or",
+              "MEGATRON_RL_VERBOSE=1) also shows the third-party warnings silenced by default."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    from megatron_rl.console import environment_summary, quiet_known_warnings, verbose_requested
+
+    verbose, argv = verbose_requested(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -43,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-rl: unknown subcommand {name!r}; choose one of {', '.join(SUBCOMMANDS)}",
               file=sys.stderr)
         return 2
+    quiet_known_warnings(verbose=verbose)
+    if name in LOADS_THE_STACK:
+        print(environment_summary(), file=sys.stderr)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
 

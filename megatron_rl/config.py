@@ -54,6 +54,16 @@ __all__ = [
 MODEL_FAMILIES = ("llama", "llama4", "qwen3_moe")
 # Families whose layers include MoE blocks: Megatron needs sequence parallelism with TP > 1 there.
 MOE_MODEL_FAMILIES = frozenset({"llama4", "qwen3_moe"})
+# Each loss's own parameters and their defaults (SCALERL.md section 3); the surrogate clip ranges
+# equal megatron_rl.algorithms.losses.DEFAULT_CLIP_RANGE (a unit test keeps them equal; this
+# module stays free of torch).
+LOSS_DEFAULTS: dict[str, dict[str, float]] = {
+    "cispo": {"eps_max": 5.0},
+    "dapo": {"eps_low": 0.2, "eps_high": 0.28},
+    "grpo": {"eps_low": 0.2, "eps_high": 0.2},
+    "gspo": {"gspo_eps_low": 3e-4, "gspo_eps_high": 4e-4},
+}
+_LOSS_PARAMETERS = ("eps_max", "eps_low", "eps_high", "gspo_eps_low", "gspo_eps_high")
 INTERRUPTION_PHRASE = (
     "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
 )
@@ -211,7 +221,8 @@ class ModelConfig:
         None, "FP8 training: delayed or current (per-tensor) scaling, Megatron fp8_recipe "
         "'delayed' / 'tensorwise'; null = no FP8; needs use_transformer_engine")
     fp32_lm_head: bool = _field(
-        True, "LM-head logits, log-probs and entropy in FP32, chunked (SCALERL.md section 6)")
+        True, "LM-head logits GEMM in FP32 (SCALERL.md section 6); false = in params_dtype (the "
+        "ablation); log-probs and entropy are FP32 and chunked either way")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -363,7 +374,8 @@ class RolloutConfig:
     interruption_phrase: str = _field(INTERRUPTION_PHRASE, "text appended at a forced "
                                       "interruption (not sampled: excluded from the loss)")
     temperature: float = _field(1.0, "sampling temperature", gt=0.0)
-    top_p: float = _field(1.0, "nucleus-sampling mass", gt=0.0, le=1.0)
+    top_p: float = _field(1.0, "nucleus-sampling mass; training rollouts need 1.0 (the recorded "
+                          "log-probs are of the untruncated distribution)", gt=0.0, le=1.0)
     max_off_policyness: int = _field(8, "k: most optimizer steps the trainer may be ahead of the "
                                      "oldest data it consumes (Pipeline-RL-k; 0 = synchronous)",
                                      ge=0)
@@ -388,6 +400,12 @@ class RolloutConfig:
         _require(not self.forced_interruption or self.interruption_phrase.strip() != "",
                  "rollout.interruption_phrase: empty; give the phrase or set "
                  "rollout.forced_interruption=false")
+        _require(self.top_p == 1.0,
+                 f"rollout.top_p: {self.top_p} truncates the sampling distribution, but the "
+                 "generators record log-probs of the untruncated one (SGLang: log softmax(z / T) "
+                 "before top-p), so CISPO's importance ratio and the mismatch metric would be "
+                 "wrong; training rollouts need rollout.top_p=1.0 (top-p is for evaluation "
+                 "sampling only)")
         _require(self.mode != "ppo_off_policy" or self.max_off_policyness >= 1,
                  "rollout.max_off_policyness: ppo_off_policy takes k >= 1 optimizer steps per "
                  "generated batch; got 0")
@@ -441,20 +459,26 @@ class WeightSyncConfig:
 @dataclass(kw_only=True, slots=True, frozen=True)
 class AlgorithmConfig:
     """The RL objective (SCALERL.md sections 3-5). `loss` picks CISPO (truncated importance
-    sampling at eps_max; ScaleRL), DAPO / GRPO (clipped surrogate with eps_low / eps_high; GRPO's
-    usual setting is eps_high = eps_low = 0.2) or GSPO (sequence-level ratio clipped at
-    gspo_eps_low / gspo_eps_high). The length penalty (DAPO-style, an ablation alternative to
-    forced interruption) needs length_penalty_cache_length < length_penalty_max_length."""
+    sampling at eps_max; ScaleRL), DAPO / GRPO (clipped surrogate with eps_low / eps_high) or GSPO
+    (sequence-level ratio clipped at gspo_eps_low / gspo_eps_high). Each loss has its own
+    defaults for its own parameters (LOSS_DEFAULTS: CISPO eps_max 5; GRPO 0.2 / 0.2; DAPO
+    0.2 / 0.28; GSPO 3e-4 / 4e-4), filled in when left null; setting a parameter of another loss
+    is an error. The length penalty (DAPO-style, an ablation alternative to forced interruption)
+    needs length_penalty_cache_length < length_penalty_max_length."""
 
     SECTION: ClassVar[str] = "algorithm"
 
     loss: Literal["cispo", "dapo", "grpo", "gspo"] = _field("cispo", "policy loss")
-    eps_max: float = _field(5.0, "CISPO: importance-ratio truncation, sg(min(ratio, eps_max)) "
-                            "(paper: 4, 5, 8 alike)", gt=0.0)
-    eps_low: float = _field(0.2, "DAPO/GRPO: lower clip, ratio >= 1 - eps_low", gt=0.0, lt=1.0)
-    eps_high: float = _field(0.28, "DAPO/GRPO: upper clip, ratio <= 1 + eps_high", gt=0.0)
-    gspo_eps_low: float = _field(3e-4, "GSPO: lower clip of the sequence ratio", gt=0.0, lt=1.0)
-    gspo_eps_high: float = _field(4e-4, "GSPO: upper clip of the sequence ratio", gt=0.0)
+    eps_max: float | None = _field(None, "CISPO: importance-ratio truncation, sg(min(ratio, "
+                                   "eps_max)) (paper: 4, 5, 8 alike); null = 5", gt=0.0)
+    eps_low: float | None = _field(None, "DAPO/GRPO: lower clip, ratio >= 1 - eps_low; null = "
+                                   "0.2", gt=0.0, lt=1.0)
+    eps_high: float | None = _field(None, "DAPO/GRPO: upper clip, ratio <= 1 + eps_high; null = "
+                                    "0.28 (dapo) or 0.2 (grpo)", gt=0.0)
+    gspo_eps_low: float | None = _field(None, "GSPO: lower clip of the sequence ratio; null = "
+                                        "3e-4", gt=0.0, lt=1.0)
+    gspo_eps_high: float | None = _field(None, "GSPO: upper clip of the sequence ratio; null = "
+                                         "4e-4", gt=0.0)
     aggregation: Literal["prompt", "sample", "token"] = _field(
         "prompt", "how token losses become the scalar loss (global denominators): per-prompt "
         "token average (ScaleRL), per-sample mean, or token mean (DAPO)")
@@ -467,6 +491,10 @@ class AlgorithmConfig:
                                           "npr_threshold from later epochs")
     npr_threshold: float = _field(0.9, "pass rate at which No-Positive-Resampling retires a "
                                   "prompt", gt=0.0, le=1.0)
+    max_verifier_failure_fraction: float = _field(
+        0.05, "stop the run when the verifier itself fails (sandbox or grader error, not a wrong "
+        "answer) on more than this fraction of the samples scored so far; such samples get no "
+        "reward and their groups are dropped", ge=0.0, le=1.0)
     length_penalty: bool = _field(False, "add the DAPO overlong penalty to correct answers' "
                                   "rewards")
     length_penalty_max_length: int = _field(14336, "L_max: completions longer than this get the "
@@ -476,6 +504,14 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        own = LOSS_DEFAULTS[self.loss]
+        for name in _LOSS_PARAMETERS:
+            value = getattr(self, name)
+            if name in own and value is None:
+                object.__setattr__(self, name, own[name])  # this loss's own default
+            _require(name in own or value is None,
+                     f"algorithm.{name}: set to {value!r}, but loss {self.loss!r} does not use "
+                     f"it (it uses {', '.join(own)}); remove it or set algorithm.{name}=null")
         _require(self.length_penalty_cache_length < self.length_penalty_max_length,
                  f"algorithm.length_penalty_cache_length: {self.length_penalty_cache_length} must "
                  f"be < algorithm.length_penalty_max_length ({self.length_penalty_max_length})")
@@ -896,6 +932,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.markdown:
         sys.stdout.write(config_reference_markdown())
         return 0
+    if args.config is not None and "=" in args.config and not Path(args.config).exists():
+        args.overrides.insert(0, args.config)  # no recipe: the defaults with overrides
+        args.config = None
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:

@@ -11,7 +11,7 @@ from pathlib import Path
 # Runnable from a checkout without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rl.convert import main  # noqa: E402
+from megatron_rl.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main(["megatron-to-hf", *sys.argv[1:]]))
+    sys.exit(main(["convert", "megatron-to-hf", *sys.argv[1:]]))

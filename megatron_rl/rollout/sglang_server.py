@@ -75,6 +75,9 @@ class SGLangServerSettings:
     @classmethod
     def from_rollout_config(cls, rollout, model_path: str, **fields) -> "SGLangServerSettings":
         """From megatron_rl.config's RolloutConfig (tp_size, ep_size, dtype, ...)."""
+        if rollout.backend != "sglang":
+            raise ValueError(f"rollout.backend is {rollout.backend!r}; these are SGLang server "
+                             "settings (rollout.backend: sglang)")
         return cls(model_path=model_path, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
                    dtype=rollout.dtype, mem_fraction_static=rollout.mem_fraction_static,
                    enable_fp32_lm_head=rollout.enable_fp32_lm_head,
@@ -332,7 +335,8 @@ class SGLangGenerator(Generator):
         if not isinstance(outputs, list) or len(outputs) != len(items):
             raise GeneratorError(f"SGLang server {self.url}: /generate returned "
                                  f"{type(outputs).__name__} for {len(items)} requests")
-        return [_generation_result(out, prompts[p], p, k) for (p, k), out in zip(items, outputs)]
+        return [_generation_result(out, prompts[p], p, k, self.url)
+                for (p, k), out in zip(items, outputs)]
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         if any(len(seq) < 2 for seq in sequences):
@@ -445,26 +449,46 @@ def _server_message(response) -> str:
     return str(body)[:2000]
 
 
-def _version_of(label: str) -> int:
+def _version_of(label, url: str) -> int:
+    """A policy version reported by the server. Versions feed the staleness bound, so a label
+    that is not an integer (a server started without --weight-version reports "default") is an
+    error, never a guess."""
     try:
         return int(label)
-    except ValueError:
-        return 0  # a server started without --weight-version reports "default"
+    except (TypeError, ValueError):
+        raise GeneratorError(
+            f"SGLang server {url} reports weight version {label!r}, not an integer policy "
+            "version: start it with --weight-version 0 (SGLangServerSettings does) and change "
+            "versions only through this client's weight updates") from None
 
 
-def _token_versions(meta: dict, num_tokens: int) -> tuple[int, ...]:
+def _token_versions(meta: dict, num_tokens: int, url: str) -> tuple[int, ...]:
+    """The policy version of every output token, from SGLang's `weight_versions` spans
+    ([{version, start, end}] over output tokens, reported for every finished request)."""
+    if num_tokens == 0:
+        return ()
     spans = meta.get("weight_versions")
     if not spans:
-        return (_version_of(str(meta.get("weight_version", "0"))),) * num_tokens
-    versions = [0] * num_tokens
+        raise GeneratorError(
+            f"SGLang server {url}: a finished request with {num_tokens} output tokens came "
+            "without per-token weight versions (meta_info['weight_versions']); the staleness "
+            "bound needs them: use SGLang 0.5.23 (requirements/) and a server launched by "
+            "SGLangServer")
+    versions: list[int | None] = [None] * num_tokens
     for span in spans:
+        version = _version_of(span["version"], url)
         for t in range(span["start"], min(span["end"], num_tokens)):
-            versions[t] = _version_of(str(span["version"]))
+            versions[t] = version
+    missing = [t for t, v in enumerate(versions) if v is None]
+    if missing:
+        raise GeneratorError(
+            f"SGLang server {url}: weight-version spans {spans} leave output tokens "
+            f"{missing[:8]}{'...' if len(missing) > 8 else ''} of {num_tokens} without a version")
     return tuple(versions)
 
 
 def _generation_result(out: dict, prompt: Sequence[int], prompt_index: int,
-                       sample_index: int) -> GenerationResult:
+                       sample_index: int, url: str) -> GenerationResult:
     meta = out["meta_info"]
     token_ids = tuple(int(t) for t in out["output_ids"])
     entries = meta.get("output_token_logprobs") or []
@@ -476,5 +500,5 @@ def _generation_result(out: dict, prompt: Sequence[int], prompt_index: int,
         prompt_index=prompt_index, sample_index=sample_index,
         prompt_token_ids=tuple(int(t) for t in prompt), token_ids=token_ids,
         logprobs=tuple(float(e[0]) for e in entries),
-        versions=_token_versions(meta, len(token_ids)),
+        versions=_token_versions(meta, len(token_ids), url),
         finish_reason=_FINISH_REASONS.get(finish_type, finish_type))

@@ -14,6 +14,8 @@ import dataclasses
 import os
 import pickle
 import random
+import re
+import shutil
 from typing import Any
 
 import numpy as np
@@ -41,9 +43,11 @@ class CheckpointState:
 
 def save_checkpoint(directory: str, model, optimizer, scheduler, *, layout: ParallelLayout,
                     groups: ParallelGroups, step: int, num_skipped_steps: int,
-                    extra_state: dict[str, Any] | None = None) -> None:
+                    extra_state: dict[str, Any] | None = None,
+                    checkpoint_format: str = "torch_dist") -> None:
     """Write a checkpoint of this rank's shards (collective: every trainer rank calls it).
-    `step` counts optimizer updates; at step 0 only the model (and counters) are saved."""
+    `step` counts optimizer updates; at step 0 only the model (and counters) are saved.
+    `checkpoint_format` is Megatron's save backend (ckpt_format; torch_dist reshards on load)."""
     from megatron.core import dist_checkpointing
 
     if torch.distributed.get_rank() == 0:
@@ -61,7 +65,10 @@ def save_checkpoint(directory: str, model, optimizer, scheduler, *, layout: Para
                         # Pickled so that the driver's nested state round-trips as bytes.
                         "extra_state": pickle.dumps(extra_state or {})}
     state["rng"] = _rng_object(groups, _rng_state())
-    dist_checkpointing.save(state, directory)
+    dist_checkpointing.save(
+        state, directory,
+        sharded_strategy=dist_checkpointing.serialization.get_default_save_sharded_strategy(
+            checkpoint_format))
     torch.distributed.barrier()
 
 
@@ -179,3 +186,26 @@ def _set_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"])
     if rng["tracker"]:
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint taken after `step` (what prune_checkpoints keeps)."""
+    return f"step_{step:06d}"
+
+
+def prune_checkpoints(directory: str, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints (`step_<N>` folders) under `directory`;
+    0 keeps all. Only folders named by `checkpoint_name` are touched; returns the deleted paths.
+    Call it after a save has completed, so the newest kept one is whole."""
+    if keep_last == 0 or not os.path.isdir(directory):
+        return []
+    steps = sorted((int(m.group(1)), entry) for entry in os.listdir(directory)
+                   if (m := CHECKPOINT_NAME.match(entry))
+                   and os.path.isdir(os.path.join(directory, entry)))
+    doomed = [os.path.join(directory, entry) for _, entry in steps[:-keep_last]]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed

@@ -13,8 +13,14 @@ import dataclasses
 import torch
 
 
+# Our optimizer names -> megatron-core's OptimizerConfig.optimizer ("adam" there applies weight
+# decay decoupled, i.e. AdamW).
+MEGATRON_OPTIMIZER = {"adamw": "adam"}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerSettings:
+    name: str = "adamw"  # a key of MEGATRON_OPTIMIZER
     lr: float = 5e-7
     lr_warmup_steps: int = 100
     lr_schedule: str = "constant"  # after warm-up: constant (ScaleRL), linear or cosine decay
@@ -28,6 +34,9 @@ class OptimizerSettings:
     use_distributed_optimizer: bool = True
 
     def __post_init__(self) -> None:
+        if self.name not in MEGATRON_OPTIMIZER:
+            raise ValueError(f"optimizer.name {self.name!r} is not one of "
+                             f"{tuple(MEGATRON_OPTIMIZER)}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if self.lr_warmup_steps < 0:
@@ -47,7 +56,7 @@ def build_optimizer(model_chunks: list, settings: OptimizerSettings, *, bf16: bo
 
     min_lr = settings.lr if settings.lr_schedule == "constant" else settings.min_lr
     config = OptimizerConfig(
-        optimizer="adam", lr=settings.lr, min_lr=min_lr,
+        optimizer=MEGATRON_OPTIMIZER[settings.name], lr=settings.lr, min_lr=min_lr,
         weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
         adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
         clip_grad=settings.clip_grad, bf16=bf16, params_dtype=params_dtype,

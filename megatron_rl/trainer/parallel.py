@@ -39,8 +39,12 @@ class ParallelLayout:
     @classmethod
     def from_config(cls, parallelism) -> "ParallelLayout":
         """From megatron_rl.config's `parallelism` section (or any object with these fields)."""
-        return cls(**{f.name: getattr(parallelism, f.name) for f in dataclasses.fields(cls)
-                      if hasattr(parallelism, f.name)})
+        return cls(tensor_model_parallel_size=parallelism.tensor_model_parallel_size,
+                   pipeline_model_parallel_size=parallelism.pipeline_model_parallel_size,
+                   expert_model_parallel_size=parallelism.expert_model_parallel_size,
+                   expert_tensor_parallel_size=parallelism.expert_tensor_parallel_size,
+                   context_parallel_size=parallelism.context_parallel_size,
+                   sequence_parallel=parallelism.sequence_parallel)
 
     @property
     def model_parallel_size(self) -> int:

@@ -3,12 +3,16 @@ overrides, errors that name the field, exact save/load round trips, and the gene
 default recipe being current."""
 import dataclasses
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_rl import config as config_module
 from megatron_rl.config import (
+    LOSS_DEFAULTS,
     AlgorithmConfig,
     ConfigError,
     ParallelismConfig,
@@ -34,11 +38,12 @@ def test_defaults_are_the_scalerl_recipe():
     assert (cfg.rollout.max_prompt_tokens, cfg.rollout.thinking_budget,
             cfg.rollout.solution_budget) == (2048, 12288, 2048)
     assert cfg.rollout.max_sequence_tokens == 16384
-    # Section 3: CISPO with eps_max 5, prompt-level aggregation; DAPO clip 0.2 / 0.28.
+    # Section 3: CISPO with eps_max 5 (the surrogates' clip ranges do not apply to it),
+    # prompt-level aggregation.
     assert cfg.algorithm.loss == "cispo"
     assert cfg.algorithm.eps_max == 5.0
-    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (0.2, 0.28)
-    assert (cfg.algorithm.gspo_eps_low, cfg.algorithm.gspo_eps_high) == (3e-4, 4e-4)
+    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (None, None)
+    assert (cfg.algorithm.gspo_eps_low, cfg.algorithm.gspo_eps_high) == (None, None)
     assert cfg.algorithm.aggregation == "prompt"
     # Section 4: batch-level normalisation, zero-variance filtering, NPR at 0.9.
     assert cfg.algorithm.advantage_normalization == "batch"
@@ -88,14 +93,14 @@ def test_yaml_then_overrides_in_order(tmp_path):
         "train:\n  lr: 1.0e-6\n  num_steps: 10\n"
         "parallelism:\n  world_size: 8\n  tensor_model_parallel_size: 2\n"
         "  sequence_parallel: true\n  expert_model_parallel_size: 4\n")
-    cfg = load_config(path, ["train.lr=5e-7", "model.fp8=null", "algorithm.eps_max=8",
-                             "algorithm.loss=gspo", "train.num_steps=20", "train.num_steps=30",
+    cfg = load_config(path, ["train.lr=5e-7", "model.fp8=null", "algorithm.eps_high=1",
+                             "algorithm.loss=grpo", "train.num_steps=20", "train.num_steps=30",
                              "seed=7", "checkpoint.load=/ckpt/run 1"])
     assert cfg.name == "exp1"
     assert cfg.train.lr == 5e-7 and type(cfg.train.lr) is float  # YAML 1.1 would read a string
     assert cfg.model.fp8 is None
-    assert cfg.algorithm.eps_max == 8.0 and type(cfg.algorithm.eps_max) is float  # int accepted
-    assert cfg.algorithm.loss == "gspo"
+    assert cfg.algorithm.eps_high == 1.0 and type(cfg.algorithm.eps_high) is float  # int accepted
+    assert cfg.algorithm.loss == "grpo"
     assert cfg.train.num_steps == 30  # later overrides win
     assert cfg.seed == 7
     assert cfg.checkpoint.load == "/ckpt/run 1"
@@ -259,6 +264,55 @@ def test_save_load_round_trip(tmp_path):
     assert pickle.loads(pickle.dumps(cfg)) == cfg
 
 
+@pytest.mark.parametrize("loss, expected", [
+    # SCALERL.md section 3: GRPO symmetric 0.2; DAPO clip-higher 0.2 / 0.28; GSPO 3e-4 / 4e-4.
+    ("grpo", {"eps_low": 0.2, "eps_high": 0.2}),
+    ("dapo", {"eps_low": 0.2, "eps_high": 0.28}),
+    ("gspo", {"gspo_eps_low": 3e-4, "gspo_eps_high": 4e-4}),
+    ("cispo", {"eps_max": 5.0}),
+])
+def test_each_loss_gets_its_own_defaults(loss, expected):
+    algorithm = load_config(None, [f"algorithm.loss={loss}"]).algorithm
+    for name in ("eps_max", "eps_low", "eps_high", "gspo_eps_low", "gspo_eps_high"):
+        assert getattr(algorithm, name) == expected.get(name), name
+    # The resolved values are what `python -m megatron_rl.config` prints.
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.config", f"algorithm.loss={loss}"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    section = yaml.safe_load(out)["algorithm"]
+    for name, value in expected.items():
+        assert section[name] == value, (name, section[name])
+    # A user's value wins; a parameter the loss does not use is an error, not silently ignored.
+    assert load_config(None, ["algorithm.loss=grpo", "algorithm.eps_high=0.3"]
+                       ).algorithm.eps_high == 0.3
+    with pytest.raises(ConfigError, match=r"algorithm\.eps_high: set to 0\.3, but loss 'cispo' "
+                                          r"does not use it .*algorithm\.eps_high=null"):
+        load_config(None, ["algorithm.eps_high=0.3"])
+
+
+def test_loss_defaults_agree_with_the_loss_functions():
+    from megatron_rl.algorithms.losses import DEFAULT_CLIP_RANGE
+
+    for loss, (low, high) in DEFAULT_CLIP_RANGE.items():
+        names = ("gspo_eps_low", "gspo_eps_high") if loss == "gspo" else ("eps_low", "eps_high")
+        assert LOSS_DEFAULTS[loss] == dict(zip(names, (low, high)))
+
+
+def test_grpo_trainer_gets_symmetric_clipping():
+    """The settings the trainer is built from: GRPO was silently DAPO's 0.2 / 0.28."""
+    from megatron_rl.trainer import TrainerSettings
+
+    loss = TrainerSettings.from_run_config(load_config(None, ["algorithm.loss=grpo"])).loss
+    assert (loss.kind, loss.eps_low, loss.eps_high) == ("grpo", 0.2, 0.2)
+    loss = TrainerSettings.from_run_config(load_config(None, ["algorithm.loss=dapo"])).loss
+    assert (loss.kind, loss.eps_low, loss.eps_high) == ("dapo", 0.2, 0.28)
+
+
+def test_training_rollouts_refuse_top_p():
+    with pytest.raises(ConfigError, match=r"rollout\.top_p: 0\.9 truncates .*log-probs of the "
+                                          r"untruncated"):
+        load_config(None, ["rollout.top_p=0.9"])
+
+
 def test_config_to_dict_is_plain_nested():
     data = config_to_dict(RunConfig())
     assert data["algorithm"]["eps_max"] == 5.0
@@ -289,7 +343,7 @@ def test_docs_and_default_recipe_are_generated_from_the_code():
             assert f"| `{name}` |" in docs, (section, name)
             index = lines.index(next(l for l in lines if l.strip().startswith(f"{name}:")))
             assert lines[index - 1].strip().startswith("#"), name
-    assert "| `eps_max` | `5.0` |" in docs and "| `adam_eps` | `1.0e-15` |" in docs
+    assert "| `eps_max` | `null` |" in docs and "| `adam_eps` | `1.0e-15` |" in docs
 
 
 def test_tiny_cpu_recipe():

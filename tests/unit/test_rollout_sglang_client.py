@@ -16,6 +16,7 @@ from megatron_rl.rollout import sglang_server
 from megatron_rl.rollout.sglang_server import SGLangServer, free_port
 
 pytestmark = pytest.mark.unit
+URL = "http://127.0.0.1:30000"
 
 
 def test_server_args_map_our_config_and_fp32_head_is_on_by_default(tmp_path):
@@ -54,13 +55,41 @@ def test_generation_result_from_sglang_payload():
         "output_token_logprobs": [[-0.5, 7, None], [-1.25, 8, None], [-2.0, 9, None]],
         "weight_versions": [{"version": "3", "start": 0, "end": 1},
                             {"version": "4", "start": 1, "end": 3}]}}
-    result = sglang_server._generation_result(out, [1, 2], prompt_index=1, sample_index=0)
+    result = sglang_server._generation_result(out, [1, 2], prompt_index=1, sample_index=0,
+                                              url=URL)
     assert result.token_ids == (7, 8, 9) and result.logprobs == (-0.5, -1.25, -2.0)
     assert result.versions == (3, 4, 4) and result.finish_reason == "length"
     assert result.prompt_token_ids == (1, 2)
     out["meta_info"]["output_token_logprobs"][1][1] = 99
     with pytest.raises(GeneratorError, match="do not match"):
-        sglang_server._generation_result(out, [1, 2], prompt_index=1, sample_index=0)
+        sglang_server._generation_result(out, [1, 2], prompt_index=1, sample_index=0,
+                                         url=URL)
+
+
+def _payload(**meta):
+    return {"output_ids": [7, 8, 9], "meta_info": {
+        "finish_reason": {"type": "stop"},
+        "output_token_logprobs": [[-0.5, 7, None], [-1.25, 8, None], [-2.0, 9, None]], **meta}}
+
+
+@pytest.mark.parametrize("meta, message", [
+    # A server started without --weight-version labels everything "default": not version 0.
+    ({"weight_versions": [{"version": "default", "start": 0, "end": 3}],
+      "weight_version": "default"}, "reports weight version 'default'"),
+    # No spans at all: not "every token is the final version".
+    ({"weight_version": "5"}, "without per-token weight versions"),
+    ({"weight_versions": []}, "without per-token weight versions"),
+    # Spans that leave tokens unlabelled: not "version 0".
+    ({"weight_versions": [{"version": "3", "start": 0, "end": 2}]}, r"tokens \[2\] of 3"),
+])
+def test_versions_are_never_guessed(meta, message):
+    """Versions feed the staleness bound: a missing or non-integer label is an error naming the
+    server, not a fallback to 0 or to the final version."""
+    with pytest.raises(GeneratorError, match=f"SGLang server {URL}.*{message}"):
+        sglang_server._generation_result(_payload(**meta), [1], prompt_index=0, sample_index=0,
+                                         url=URL)
+    empty = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}}
+    assert sglang_server._generation_result(empty, [1], 0, 0, url=URL).versions == ()
 
 
 def test_sampling_params_and_mismatch_metric():
@@ -73,6 +102,34 @@ def test_sampling_params_and_mismatch_metric():
     # mean(|-1 - -1.5|, |-2 - -2|, |-0.5 - 0.5|) = (0.5 + 0 + 1) / 3
     assert logprob_mismatch(torch.tensor([-1.0, -2.0, -0.5]),
                             torch.tensor([-1.5, -2.0, 0.5])) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("truncation, named", [
+    ({"top_p": 0.9}, "top_p=0.9"), ({"top_k": 20}, "top_k=20"), ({"min_p": 0.05}, "min_p=0.05"),
+    ({"temperature": 0.0}, "temperature=0"),
+    ({"top_p": 0.95, "top_k": 1}, "top_p=0.95, top_k=1"),
+])
+def test_training_sampling_refuses_truncation_and_evaluation_allows_it(truncation, named):
+    """SGLang records log-probs of the untruncated softmax(logits / T) (its sampler.py) while
+    top-p / top-k / min-p / greedy sample from a truncated distribution: training rollouts would
+    carry biased importance ratios, so they are refused with the reason; evaluation may cut."""
+    with pytest.raises(ValueError, match=f"training rollouts cannot use {named}.*biased"):
+        SamplingParams(max_new_tokens=4, **truncation)
+    with pytest.raises(ValueError, match="purpose='eval'"):
+        SamplingParams(max_new_tokens=4, purpose="train", **truncation)
+    evaluation = SamplingParams(max_new_tokens=4, purpose="eval", **truncation).to_sglang()
+    assert {key: evaluation[key] for key in truncation} == truncation
+    assert "purpose" not in evaluation  # ours, not an SGLang sampling parameter
+
+
+def test_training_sampling_at_a_temperature_is_accepted_and_bad_values_are_named():
+    params = SamplingParams(max_new_tokens=4, temperature=0.7)
+    assert params.purpose == "train"
+    assert params.to_sglang()["temperature"] == 0.7 and "min_p" not in params.to_sglang()
+    for bad, match in (({"purpose": "rollout"}, "purpose must be one of"),
+                       ({"top_k": 0}, "top_k must be -1"), ({"min_p": 1.5}, "min_p must be")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(max_new_tokens=4, **bad)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -258,3 +315,13 @@ def test_weight_update_receive_buffer_is_reused_on_cpu():
     assert calls == ["meta"] * 4  # layout from SGLang's code, no memory of its own
     other = reuse(["f"], ["float32"], [[2]], "meta")  # not CPU: SGLang's allocation as is
     assert other.flattened_tensor.device.type == "meta" and calls[-1] == "meta"
+
+
+def test_training_sampling_params_from_the_run_config():
+    from megatron_rl.config import load_config
+
+    rollout = load_config(None, ["rollout.temperature=0.7", "rollout.samples_per_prompt=4"]).rollout
+    params = SamplingParams.for_training(rollout, max_new_tokens=32, seed=3)
+    assert (params.temperature, params.top_p, params.num_samples, params.purpose) \
+        == (0.7, 1.0, 4, "train")
+    assert params.max_new_tokens == 32 and params.seed == 3

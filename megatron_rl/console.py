@@ -1,0 +1,170 @@
+"""What our entry points (the `megatron-rl` CLI, the demo, tools/) print before their own output.
+
+Importing torch, megatron-core and transformers on a CPU machine (or a GPU one without Apex)
+prints about thirty lines of warnings that are expected and harmless here, burying the first line
+of progress. `quiet_known_warnings()` silences exactly those: each is matched by its category (or
+logger) AND the literal start of its message, with the reason it is harmless written next to it,
+so our own warnings and every unknown third-party one still show. `environment_summary()` says in one line
+what those warnings were telling (which backends are absent). Verbose mode (`-v` on the entry
+points, or MEGATRON_RL_VERBOSE=1) keeps everything. Library code never calls this: it changes
+process-wide warning filters, which belong to the program.
+
+Call it before the first `import torch`: torch warns at import time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import re
+import warnings
+
+VERBOSE_ENV = "MEGATRON_RL_VERBOSE"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KnownWarning:
+    """A third-party warning known to be harmless: `warnings.warn(category)` when `logger` is
+    None, else a WARNING record of that logger; its message starts with `prefix`, a literal
+    long enough to name that one warning."""
+
+    prefix: str
+    why: str
+    category: type[Warning] = UserWarning
+    logger: str | None = None
+
+
+KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
+    KnownWarning(
+        "The pynvml package is deprecated. Please install nvidia-ml-py instead.",
+        "torch probes pynvml at import; nvidia-ml-py is installed too (SGLang's list) and the "
+        "GPU path uses it", category=FutureWarning),
+    KnownWarning(
+        "Transformer Engine and Apex are not installed. Falling back to ",
+        "CPU machines have neither (CPU_STACK.md); the torch fallbacks are what the CPU path "
+        "uses, and the GPU image (Dockerfile) has both"),
+    KnownWarning(
+        "Apex is not installed. Falling back to Torch Norm",
+        "the local layer spec uses torch norms on CPU by design (platform/)"),
+    KnownWarning(
+        "full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer.",
+        "megatron-core 0.19.2's own default (cuda_graph_modules='full') triggers it; CUDA graphs "
+        "are off (cuda_graph_impl='none')"),
+    KnownWarning(
+        "MimoModelConfig is experimental and still under active development.",
+        "emitted when megatron-core's model package is imported; we do not use MIMO models"),
+    KnownWarning(
+        "`torch.distributed.reduce_scatter_tensor` is deprecated.",
+        "megatron-core 0.19.2's distributed optimizer calls it; torch 2.13 still supports it",
+        category=FutureWarning),
+    KnownWarning(
+        "`torch.distributed.all_gather_into_tensor` is deprecated.",
+        "megatron-core 0.19.2's distributed optimizer calls it; torch 2.13 still supports it",
+        category=FutureWarning),
+    KnownWarning(
+        "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+        "load in a single process.",
+        "megatron-core loads a checkpoint's common (non-sharded) state without a process group; "
+        "the sharded tensors load collectively"),
+    KnownWarning(
+        "The argument order of load has been changed.",
+        "megatron-core 0.19.2 calls torch.distributed.checkpoint.load with keywords"),
+    KnownWarning(
+        "Please use DTensor instead and we are deprecating ShardedTensor.",
+        "megatron-core 0.19.2's torch_dist checkpoint format is built on ShardedTensor",
+        category=FutureWarning),
+    KnownWarning(
+        "MCore's async save is deprecated",
+        "megatron-core's checkpoint writer names its own internal path; saves here are "
+        "synchronous", logger="megatron.core.dist_checkpointing.strategies.torch"),
+    KnownWarning(
+        "GPTModel IS DEPRECATED.",
+        "megatron-core 0.19.2 steers new code to HybridModel; GPTModel is the supported model of "
+        "this version's RL and checkpoint paths", logger="megatron.core.models.gpt.gpt_model"),
+    KnownWarning(
+        "DistributedDataParallel: full_param_layout not provided with "
+        "use_distributed_optimizer=True.",
+        "megatron-core computes the layout itself (its backward-compatible path)",
+        logger="megatron.core.distributed.distributed_data_parallel"),
+    KnownWarning(
+        "`rope_parameters`'s high_freq_factor field must be greater than low_freq_factor, got "
+        "high_freq_factor=1.0 and low_freq_factor=1.0",
+        "Llama-4's released configs set both factors to 1.0 (transformers' llama3 RoPE handles "
+        "it: no medium-frequency band); our llama4 family copies them",
+        logger="transformers.modeling_rope_utils"),
+)
+
+
+class _KnownRecords(logging.Filter):
+    def __init__(self, prefixes: list[str]):
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno != logging.WARNING or \
+            not record.getMessage().startswith(self.prefixes)
+
+
+def verbose_requested(argv: list[str]) -> tuple[bool, list[str]]:
+    """(verbose?, argv without -v / --verbose); MEGATRON_RL_VERBOSE=1 also asks for it."""
+    rest = [a for a in argv if a not in ("-v", "--verbose")]
+    return len(rest) != len(argv) or os.environ.get(VERBOSE_ENV, "") not in ("", "0"), rest
+
+
+def quiet_known_warnings(*, verbose: bool = False) -> None:
+    """Silence KNOWN_WARNINGS in this process and in the Python processes it starts (through
+    PYTHONWARNINGS: dist_checkpointing and SGLang spawn interpreters that import torch again);
+    nothing when `verbose`. Idempotent."""
+    if verbose:
+        return
+    by_logger: dict[str, list[str]] = {}
+    child_filters = []
+    for known in KNOWN_WARNINGS:
+        if known.logger is None:
+            warnings.filterwarnings("ignore", message=re.escape(known.prefix),
+                                    category=known.category)
+            # PYTHONWARNINGS splits on "," and ":": a child gets the literal text before them.
+            child_prefix = re.split(r"[,:]", known.prefix)[0]
+            child_filters.append(f"ignore:{child_prefix}:{known.category.__name__}")
+        else:
+            by_logger.setdefault(known.logger, []).append(known.prefix)
+    for name, prefixes in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _KnownRecords) for f in logger.filters):
+            logger.addFilter(_KnownRecords(prefixes))
+    inherited = [f for f in os.environ.get("PYTHONWARNINGS", "").split(",") if f]
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        dict.fromkeys(inherited + child_filters))  # deduplicated, the user's first
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment_summary() -> str:
+    """One line: the device, the key library versions and which GPU-only backends are absent
+    (what the silenced warnings were saying). Imports torch."""
+    import torch
+
+    if torch.cuda.is_available():
+        device = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    else:
+        device = f"CPU ({torch.get_num_threads()} threads)"
+    parts = [f"torch {torch.__version__.split('+')[0]}"]
+    for package, label in (("megatron-core", "megatron-core"), ("sglang", "sglang"),
+                           ("transformers", "transformers"), ("ray", "ray")):
+        version = _version(package)
+        if version:
+            parts.append(f"{label} {version}")
+    absent = [name for name, module in (("Transformer Engine", "transformer_engine"),
+                                        ("Apex", "apex"))
+              if importlib.util.find_spec(module) is None]
+    line = f"megatron_rl on {device}: {', '.join(parts)}"
+    if absent:
+        line += f"; {' and '.join(absent)} absent (local layer spec, torch optimizers)"
+    return line
