@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
@@ -79,11 +79,11 @@ class HFCheckpoint:
         if not config_path.is_file():
             raise ConversionError(f"{self.directory} has no config.json: point the converter at "
                                   "a Hugging Face model folder (config.json + *.safetensors)")
-        self.config = json.loads(config_path.read_text())
+        self.config = _read_json(config_path)
         self.files = self._weight_files()
         self._meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         for file in sorted(set(self.files.values())):
-            with safe_open(self.directory / file, framework="pt") as handle:
+            with _open_safetensors(self.directory / file) as handle:
                 for name in handle.keys():
                     view = handle.get_slice(name)
                     if view.get_dtype() not in _FROM_SAFETENSORS:
@@ -102,7 +102,10 @@ class HFCheckpoint:
     def _weight_files(self) -> dict[str, str]:
         index = self.directory / _SAFETENSORS_INDEX
         if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index} has no weight_map: re-download or re-copy it")
+            return dict(weight_map)
         shards = sorted(p.name for p in self.directory.glob("*.safetensors"))
         if not shards:
             others = sorted(p.name for p in self.directory.iterdir()
@@ -112,7 +115,7 @@ class HFCheckpoint:
             raise ConversionError(f"{self.directory} has no *.safetensors weights{hint}")
         files = {}
         for shard in shards:
-            with safe_open(self.directory / shard, framework="pt") as handle:
+            with _open_safetensors(self.directory / shard) as handle:
                 files.update({name: shard for name in handle.keys()})
         return files
 
@@ -128,8 +131,61 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         # A fresh handle per tensor: the file mapping is released as soon as the tensor is read,
         # so mapped pages of earlier tensors do not accumulate in the resident set.
-        with safe_open(self.directory / self.files[name], framework="pt") as handle:
+        with _open_safetensors(self.directory / self.files[name]) as handle:
             return handle.get_tensor(name)
+
+
+# A damaged download or copy is the usual cause of an unreadable input file: the fix to name.
+_RECOPY = ("re-download or re-copy it and compare its size with the source's (the hub's file "
+           "list)")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConversionError(f"{path} is not valid JSON ({err}): it is truncated or damaged; "
+                              f"{_RECOPY}") from None
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path) -> Iterator[Any]:
+    """safe_open, with a missing, truncated or damaged file as a ConversionError naming it."""
+    try:
+        with safe_open(path, framework="pt") as handle:
+            yield handle
+    except FileNotFoundError:
+        raise ConversionError(f"{path} is missing (weight files must all be present, including "
+                              f"every shard {_SAFETENSORS_INDEX} names)") from None
+    except SafetensorError as err:
+        raise ConversionError(f"{path} is not a readable safetensors file "
+                              f"({_safetensors_damage(path)}; safetensors: {err}): {_RECOPY}"
+                              ) from None
+
+
+def _safetensors_damage(path: Path) -> str:
+    """What the file's own header says is wrong with it, e.g. its size against the size its
+    header describes (safetensors: 8-byte header length, JSON header, then the data)."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            return f"{size:,} bytes, shorter than the 8-byte header length"
+        (header_bytes,) = struct.unpack("<Q", prefix)
+        if 8 + header_bytes > size:
+            return (f"{size:,} bytes, truncated in its header: the header alone needs "
+                    f"{8 + header_bytes:,}")
+        try:
+            header = json.loads(file.read(header_bytes))
+            data_bytes = max((entry["data_offsets"][1] for key, entry in header.items()
+                              if key != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return f"{size:,} bytes, with a header that is not valid safetensors JSON"
+    expected = 8 + header_bytes + data_bytes
+    if expected != size:
+        cut = "truncated" if size < expected else "longer than that"
+        return f"{size:,} bytes, {cut}: its header describes {expected:,}"
+    return f"{size:,} bytes, as its header describes, but damaged"
 
 
 def _family_of(config: dict[str, Any]):
@@ -201,9 +257,11 @@ def _single_rank_megatron() -> Iterator[None]:
             destroy_distributed()
 
 
-def _layout(config: dict[str, Any], *, text_only: bool = False) -> _Layout:
-    """The TP1 layout of `config`'s model; `text_only` maps to the names a text-only CausalLM
-    has (Megatron -> HF writes those, e.g. for a multimodal Llama-4 source)."""
+def _layout(config: dict[str, Any], *, config_path: Path, text_only: bool = False) -> _Layout:
+    """The TP1 layout of `config`'s model (read from `config_path`); `text_only` maps to the
+    names a text-only CausalLM has (Megatron -> HF writes those, e.g. for a multimodal Llama-4
+    source)."""
+    from huggingface_hub.errors import StrictDataclassError
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import (
         ShardedObject,
@@ -214,7 +272,12 @@ def _layout(config: dict[str, Any], *, text_only: bool = False) -> _Layout:
     from models.convert_common import meta_device
 
     family, converter = _family_of(config)
-    hf_config = converter.hf_text_config_from_dict(config)
+    try:
+        hf_config = converter.hf_text_config_from_dict(config)
+    except (ValueError, TypeError, StrictDataclassError) as err:
+        # transformers' strict configs reject wrongly typed fields; one line naming the file.
+        raise ConversionError(f"{config_path} is not a valid {family.name} config: "
+                              f"{' '.join(str(err).split())}") from None
     with meta_device():
         model = converter.build_model(hf_config, converter.megatron_config(hf_config))
     params, objects = {}, []
@@ -432,7 +495,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, output_dir: str | os.PathL
     start = time.perf_counter()
     source = HFCheckpoint(hf_dir)
     with _single_rank_megatron():
-        layout = _layout(source.config)
+        layout = _layout(source.config, config_path=source.directory / "config.json")
         skipped = _check_hf_weights(source, layout)
         output = _prepare_output(output_dir, overwrite)
         tensors = _LazyGroups(layout, source, dtype, with_checksums=validate)
@@ -653,9 +716,9 @@ def convert_megatron_to_hf(checkpoint_dir: str | os.PathLike, output_dir: str | 
         raise ConversionError(f"{checkpoint} is not a Megatron dist_checkpointing folder (no "
                               "metadata.json)")
     hf_files = _hf_files_for(checkpoint, hf_config_dir)
-    config = json.loads((hf_files / "config.json").read_text())
+    config = _read_json(hf_files / "config.json")
     with _single_rank_megatron():
-        layout = _layout(config, text_only=True)
+        layout = _layout(config, config_path=hf_files / "config.json", text_only=True)
         dtypes = _checkpoint_dtypes(checkpoint, layout)
         meta = {n: torch.empty(p.shape, dtype=dtypes[n], device="meta")
                 for n, p in layout.params.items()}

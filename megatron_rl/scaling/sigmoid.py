@@ -7,11 +7,14 @@ for each A the (B, C_mid) pair that minimises the squared residuals, keeping the
 sum. For each grid A the search starts from the best point of a coarse grid over (C_mid, B)
 (vectorised in numpy) and is refined continuously with `scipy.optimize.least_squares`, so C_mid is
 not limited to grid values and B is a least-squares estimate. Points before a warm-up compute are
-excluded. Confidence intervals come from a residual bootstrap; each replicate is refitted by a
-continuous least-squares fit of (A, B, C_mid) started at the point estimate (a full grid search per
-replicate would cost ~30x more for the same answer to within the A step). Parameters stay inside
-bounds (A in the grid's range, B in [0.01, 50], C_mid within a wide band around the data) so that a
-curve the model cannot explain yields a poor fit, never an overflow.
+excluded. Confidence intervals come from a residual bootstrap around the continuous
+least-squares fit; each replicate is refitted by a continuous least-squares fit of (A, B, C_mid) (a
+full grid search per replicate would cost ~30x more), and each interval is the plain percentile
+interval of the replicates (`SigmoidFit.bootstrap_samples`). The grid A is not a continuous
+estimate: when the interval is narrower than the A step it may lie beside the grid A, and is
+reported as it is. Parameters stay inside bounds (A in the grid's range, B in [0.01, 50], C_mid
+within a wide band around the data) so that a curve the model cannot explain yields a poor fit,
+never an overflow.
 """
 from __future__ import annotations
 
@@ -79,6 +82,7 @@ class SigmoidFit:
     b_ci: tuple[float, float] | None = None
     c_mid_ci: tuple[float, float] | None = None
     confidence: float = 0.95
+    bootstrap_samples: np.ndarray | None = None  # [num_bootstrap, (A, B, C_mid)] replicates
 
     @property
     def num_points(self) -> int:
@@ -139,8 +143,10 @@ def fit_sigmoid(compute: np.ndarray, pass_rate: np.ndarray, *, r0: float,
                      confidence=config.confidence)
     if config.num_bootstrap == 0:
         return fit
-    a_ci, b_ci, c_mid_ci = _bootstrap_intervals(fit, config, a_grid)
-    return dataclasses.replace(fit, a_ci=a_ci, b_ci=b_ci, c_mid_ci=c_mid_ci)
+    samples = _bootstrap_samples(fit, config, a_grid)
+    a_ci, b_ci, c_mid_ci = _percentile_intervals(samples, config.confidence)
+    return dataclasses.replace(fit, a_ci=a_ci, b_ci=b_ci, c_mid_ci=c_mid_ci,
+                               bootstrap_samples=samples)
 
 
 def a_grid_for(r0: float, config: SigmoidFitConfig) -> np.ndarray:
@@ -280,36 +286,46 @@ def _bounded_lm(x: np.ndarray, y: np.ndarray, r0: float, start: np.ndarray,
     return float(2.0 * result.cost), natural(result.x)
 
 
-def _bootstrap_intervals(fit: SigmoidFit, config: SigmoidFitConfig, a_grid: np.ndarray
-                         ) -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
-    """Residual bootstrap: refit fitted-curve + resampled residuals, take percentile intervals.
+def _bootstrap_samples(fit: SigmoidFit, config: SigmoidFitConfig, a_grid: np.ndarray
+                       ) -> np.ndarray:
+    """Residual-bootstrap replicates of the estimate: [num_bootstrap, (A, B, C_mid)].
 
     Residual (not case) resampling keeps the compute design of the run, which is what a repeat of
     the same run would share; the paper's seed-to-seed spread (A +-0.015) is the external check.
-    Each replicate is one continuous fit of (A, B, C_mid) (or (B, C_mid) with A fixed) started at
-    the point estimate, with A limited to the grid's range.
+    Each replicate is one continuous fit of (A, B, C_mid) (or (B, C_mid) with A fixed), with A
+    limited to the grid's range. The replicates are drawn around the continuous least-squares
+    fit, not the grid one: centred on the grid A they would ignore that the truth is not a grid
+    value, and once the noise is small against the A step the intervals would miss the true A
+    most of the time. Residuals are centred and scaled by sqrt(n / (n - p)) because fitted
+    residuals are smaller than the noise that produced them.
     """
-    rng = np.random.default_rng(config.seed)
     x = np.log(fit.compute)
-    fitted = fit.pass_rate - fit.residuals
     fixed_a = fit.a if fit.a_fixed else None
     bounds = [LOG_B_BOUNDS, _log_c_mid_bounds(x)]
-    start = [np.log(fit.b), np.log(fit.c_mid)]
+    estimate = [np.log(fit.b), np.log(fit.c_mid)]
     if fixed_a is None:
         bounds.insert(0, (float(a_grid.min()), float(a_grid.max())))
-        start.insert(0, fit.a)
-    samples = np.empty((config.num_bootstrap, 3))  # [replicate, (A, B, log C_mid)]
+        estimate.insert(0, fit.a)
+    # ([A,] log B, log C_mid) of the continuous fit: the bootstrap's "true" curve and the start
+    # of every replicate's fit.
+    _, centre = _bounded_lm(x, fit.pass_rate, fit.r0, np.array(estimate), bounds, fixed_a=fixed_a)
+    fitted = sigmoid_curve(fit.compute, a=fixed_a if fixed_a is not None else centre[0],
+                           b=np.exp(centre[-2]), c_mid=np.exp(centre[-1]), r0=fit.r0)
+    residuals = fit.pass_rate - fitted
+    residuals = (residuals - residuals.mean()) * np.sqrt(
+        residuals.size / (residuals.size - len(bounds)))
+    rng = np.random.default_rng(config.seed)
+    samples = np.empty((config.num_bootstrap, 3))
     for i in range(config.num_bootstrap):
-        y_star = fitted + rng.choice(fit.residuals, size=fit.residuals.size, replace=True)
-        _, natural = _bounded_lm(x, y_star, fit.r0, np.array(start), bounds, fixed_a=fixed_a)
+        y_star = fitted + rng.choice(residuals, size=residuals.size, replace=True)
+        _, natural = _bounded_lm(x, y_star, fit.r0, centre, bounds, fixed_a=fixed_a)
         a = fixed_a if fixed_a is not None else natural[0]
-        samples[i] = (a, np.exp(natural[-2]), natural[-1])
-    tail = 100.0 * (1.0 - config.confidence) / 2.0
-    lo, hi = np.percentile(samples, [tail, 100.0 - tail], axis=0)
-    # The point estimate's A sits on the grid while replicates refit A continuously, and on flat
-    # or saturated data the replicates pile up at a bound: a percentile interval can then miss the
-    # estimate itself, which reads as a bug. Report intervals that always contain it.
-    estimate = np.array([fit.a, fit.b, np.log(fit.c_mid)])
-    lo, hi = np.minimum(lo, estimate), np.maximum(hi, estimate)
-    return ((float(lo[0]), float(hi[0])), (float(lo[1]), float(hi[1])),
-            (float(np.exp(lo[2])), float(np.exp(hi[2]))))
+        samples[i] = (a, np.exp(natural[-2]), np.exp(natural[-1]))
+    return samples
+
+
+def _percentile_intervals(samples: np.ndarray, confidence: float) -> list[tuple[float, float]]:
+    """Two-sided percentile interval of each column of `samples` [replicate, parameter]."""
+    tail = 100.0 * (1.0 - confidence) / 2.0
+    lows, highs = np.percentile(samples, [tail, 100.0 - tail], axis=0)
+    return [(float(low), float(high)) for low, high in zip(lows, highs)]

@@ -33,9 +33,24 @@ def hf_text_config_from_dict(config: dict[str, Any]) -> Llama4TextConfig:
         if not text:
             raise ValueError(f"{_MULTIMODAL} config.json has no text_config")
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
-        return Llama4TextConfig(**text)
+        return Llama4TextConfig(**as_released_fields(text))
     fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-    return Llama4TextConfig(**fields)
+    return Llama4TextConfig(**as_released_fields(fields))
+
+
+def as_released_fields(text_config: dict[str, Any]) -> dict[str, Any]:
+    """A text config's fields with the released checkpoints' spellings read as they are meant.
+
+    The one such field: meta-llama's Scout config.json stores `attn_temperature_tuning` as the
+    integer 4, where the field is a flag (transformers' and SGLang's Llama-4 attention only test
+    it for truth) and transformers 5.x's strict config refuses an int. An int is read as
+    bool(value): 4 -> True, 0 -> False. Any other type is left for the config class to refuse.
+    """
+    fields = dict(text_config)
+    flag = fields.get("attn_temperature_tuning")
+    if isinstance(flag, int) and not isinstance(flag, bool):
+        fields["attn_temperature_tuning"] = bool(flag)
+    return fields
 
 
 def hf_weight_prefix(config: dict[str, Any]) -> str:
@@ -53,7 +68,7 @@ def hf_ignored_prefixes(config: dict[str, Any]) -> tuple[str, ...]:
 def text_only_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     """config.json of the Llama4ForCausalLM that Megatron -> HF writes for `config`."""
     if _MULTIMODAL not in config.get("architectures", ()):
-        return dict(config)
+        return as_released_fields(config)  # loadable by transformers' strict config
     text = hf_text_config_from_dict(config).to_dict()
     text["architectures"] = ["Llama4ForCausalLM"]
     return text

@@ -3,12 +3,17 @@ reproduces every tensor bit-exactly with the same key set (Llama-4 interleave 1 
 experts, tied head; Qwen3-MoE with a dense layer; dense Llama-3), `--dtype` casts, multi-shard
 output with an index, the multimodal Llama-4 text part, `--validate`, and the errors users hit:
 missing and unexpected weights named, config/weights mismatch, unsupported architecture, non-empty
-output. Megatron-side parity at TP/EP/PP > 1 is in tests/dist/test_convert_parity.py.
+output, truncated safetensors files and damaged JSON (exit 2, one line naming the file, no output
+left), and Scout's integer `attn_temperature_tuning`. Megatron-side parity at TP/EP/PP > 1 is in
+tests/dist/test_convert_parity.py.
 """
 import json
+import shutil
+import struct
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -172,3 +177,134 @@ def test_cli_refuses_a_non_empty_output_unless_overwrite(tmp_path, capsys):
                          "--dtype", "float16"]) == 0
     with safe_open(back / "model.safetensors", "pt") as handle:
         assert handle.get_tensor("model.norm.weight").dtype == torch.float16
+
+
+# ----------------------------------------------------------------------------- damaged inputs
+
+
+@pytest.fixture(scope="module")
+def pristine_hf(tmp_path_factory):
+    """A tiny Llama-3 folder twice: one model.safetensors, and shards with an index."""
+    root = tmp_path_factory.mktemp("pristine")
+    single = _tiny_hf(root / "single", "llama", "tiny")
+    sharded = root / "sharded"
+    sharded.mkdir()
+    weights = _read_all(single)
+    names = sorted(weights)
+    files = [f"model-{i + 1:05d}-of-00003.safetensors" for i in range(3)]
+    weight_map = {name: files[i * 3 // len(names)] for i, name in enumerate(names)}
+    for file in files:
+        save_file({n: weights[n] for n in names if weight_map[n] == file}, sharded / file,
+                  metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(t.nbytes for t in weights.values())},
+         "weight_map": weight_map}))
+    for side_file in ("config.json", "tokenizer_config.json"):
+        shutil.copy(single / side_file, sharded / side_file)
+    return {"single": single, "sharded": sharded}
+
+
+def _header_end(path) -> int:
+    """Bytes before the tensor data: the 8-byte header length and the JSON header."""
+    return 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]
+
+
+@pytest.mark.parametrize("layout, cut", [
+    ("single", "in_data"), ("single", "in_header"),
+    ("sharded", "in_data"), ("sharded", "in_header"),
+])
+def test_truncated_safetensors_is_a_one_line_error_naming_the_file(tmp_path, capsys,
+                                                                   pristine_hf, layout, cut):
+    # A download or copy cut short: the command says which file and what to do, exits 2 and
+    # leaves no output folder (nothing is written before every header is read).
+    from megatron_rl.cli import main as megatron_rl_main
+
+    source = shutil.copytree(pristine_hf[layout], tmp_path / "hf")
+    damaged = source / ("model.safetensors" if layout == "single"
+                        else "model-00002-of-00003.safetensors")
+    size = (damaged.stat().st_size - 100 if cut == "in_data" else _header_end(damaged) // 2)
+    with open(damaged, "r+b") as handle:
+        handle.truncate(size)
+    output = tmp_path / "mg"
+    code = megatron_rl_main(["convert", "hf-to-megatron", str(source), str(output),
+                             "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and "Traceback" not in captured.err
+    # The whole error is one line (the CLI may print its environment summary line before it).
+    lines = captured.err.strip().splitlines()
+    assert [line for line in lines if str(damaged) in line or "error" in line] == lines[-1:]
+    assert lines[-1].startswith("megatron-rl convert: error: ")
+    assert "truncated" in lines[-1] and "re-download or re-copy it" in lines[-1]
+    assert not output.exists()
+
+
+def test_missing_shard_and_damaged_json_are_one_line_errors(tmp_path, capsys, pristine_hf):
+    source = shutil.copytree(pristine_hf["sharded"], tmp_path / "hf")
+    output = tmp_path / "mg"
+    argv = ["hf-to-megatron", str(source), str(output), "--no-progress"]
+    (source / "model-00003-of-00003.safetensors").unlink()
+    assert convert.main(argv) == 2
+    assert "model-00003-of-00003.safetensors is missing" in capsys.readouterr().err
+    index = source / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:40])
+    assert convert.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"{index} is not valid JSON" in err
+    assert not output.exists()
+
+
+def test_config_that_transformers_refuses_is_a_one_line_error(tmp_path, capsys, pristine_hf):
+    source = shutil.copytree(pristine_hf["single"], tmp_path / "hf")
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "rms_norm_eps": "1e-5"}))
+    assert convert.main(["hf-to-megatron", str(source), str(tmp_path / "mg"),
+                         "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rms_norm_eps" in err
+    assert f"{source / 'config.json'} is not a valid llama config" in err
+    assert not (tmp_path / "mg").exists()
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+def test_scout_style_integer_temperature_tuning_converts_as_the_flag(tmp_path, multimodal):
+    # meta-llama's Scout config.json stores attn_temperature_tuning as 4, which transformers'
+    # strict Llama4TextConfig refuses; it means True, and converts exactly as the bool config.
+    import models
+    from models.llama4.config import megatron_fields
+
+    source = _tiny_hf(tmp_path / "hf", "llama4", "tiny")
+    bool_config = json.loads((source / "config.json").read_text())
+    assert bool_config["attn_temperature_tuning"] is True
+    scout = shutil.copytree(source, tmp_path / "scout")
+    text_config = {**bool_config, "attn_temperature_tuning": 4}
+    if multimodal:  # Scout's own layout: the text model under "language_model."
+        del text_config["architectures"]
+        weights = {f"language_model.{n}": t for n, t in _read_all(source).items()}
+        save_file(weights, scout / "model.safetensors", metadata={"format": "pt"})
+        scout_config = {"architectures": ["Llama4ForConditionalGeneration"],
+                        "model_type": "llama4", "text_config": text_config,
+                        "vision_config": {}}
+    else:
+        scout_config = text_config
+    (scout / "config.json").write_text(json.dumps(scout_config))
+
+    converter = models.get_model_family("llama4").converter()
+    from_int = converter.hf_text_config_from_dict(scout_config)
+    from_bool = converter.hf_text_config_from_dict(bool_config)
+    assert from_int.attn_temperature_tuning is True
+    assert from_int.to_dict() == from_bool.to_dict()
+    assert megatron_fields(from_int) == megatron_fields(from_bool)
+    assert megatron_fields(from_int)["attn_temperature_tuning"] is True
+    family = models.model_family_for_hf_config(scout_config)  # what the trainer binds
+    assert family.hf_config.attn_temperature_tuning is True
+
+    convert.convert_hf_to_megatron(scout, tmp_path / "mg", validate=True, progress=False)
+    convert.convert_megatron_to_hf(tmp_path / "mg", tmp_path / "back", validate=True,
+                                   progress=False)
+    original, restored = _read_all(source), _read_all(tmp_path / "back")
+    assert sorted(restored) == sorted(original)
+    assert all(torch.equal(restored[n], t) for n, t in original.items())
+    # The way back writes a config.json that transformers' strict config loads.
+    written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["attn_temperature_tuning"] is True
+    transformers.AutoConfig.from_pretrained(tmp_path / "back")
