@@ -32,11 +32,6 @@ WIRED_IN_BY_THE_PIPELINE_RL_LOOP = {
     "rollout.mode",                   # pipeline | ppo_off_policy schedules
     "rollout.num_generators",         # SGLang engines started under Ray
     "rollout.max_prompt_tokens",      # prompts longer than this are refused at load
-    "rollout.thinking_budget",        # forced interruption budgets, per sample
-    "rollout.thinking_budget_min",
-    "rollout.solution_budget",
-    "rollout.forced_interruption",
-    "rollout.interruption_phrase",
     "rollout.max_off_policyness",     # the admission gate and take-time staleness check
 }
 

@@ -1,0 +1,73 @@
+"""An asyncio client for one SGLang server: one completion per request, for the rollout manager,
+which runs every sample as its own small state machine (forced interruption continues a sample
+with a second request) and so needs many requests in flight from one event loop.
+
+Requests and responses are those of `SGLangGenerator.generate` (token ids in and out, per-token
+log-probs and policy versions); `extra_key` namespaces SGLang's prefix cache (the group's
+admission version: cached KV of other policy versions is never reused). Errors name the server.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megatron_rl.rollout.sglang_server import _generation_result
+from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, GeneratorError,
+                                       SamplingParams)
+
+
+class AsyncSGLangClient:
+    """Use inside a running event loop; `close()` (or `async with`) releases its connections."""
+
+    def __init__(self, url: str, *, request_timeout_s: float = 300.0):
+        self.url = url.rstrip("/")
+        self.request_timeout_s = request_timeout_s
+        self._session = None
+
+    async def __aenter__(self) -> "AsyncSGLangClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self):
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
+        return self._session
+
+    async def generate_one(self, input_ids: Sequence[int], max_new_tokens: int,
+                           params: SamplingParams, *,
+                           extra_key: str | None = None) -> GenerationResult:
+        """One completion of `input_ids` of at most `max_new_tokens` tokens, sampled with
+        `params` (its max_new_tokens and num_samples are not used; seed is)."""
+        import aiohttp
+
+        sampling = params.to_sglang()
+        sampling["max_new_tokens"] = int(max_new_tokens)
+        payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling,
+                   "return_logprob": True}
+        if extra_key is not None:
+            payload["extra_key"] = extra_key
+        try:
+            async with self._client().post(f"{self.url}/generate", json=payload) as response:
+                if response.status >= 400:
+                    raise GeneratorError(f"SGLang server {self.url}: /generate failed with HTTP "
+                                         f"{response.status}: {(await response.text())[:2000]}")
+                out = await response.json()
+        except aiohttp.ClientConnectionError as exc:
+            raise GeneratorDeadError(f"SGLang server {self.url} does not answer /generate: "
+                                     f"{exc.__class__.__name__}: {exc}") from None
+        except TimeoutError:
+            raise GeneratorError(f"SGLang server {self.url}: /generate timed out after "
+                                 f"{self.request_timeout_s:.0f} s") from None
+        if not isinstance(out, dict) or "meta_info" not in out:
+            raise GeneratorError(f"SGLang server {self.url}: /generate returned "
+                                 f"{type(out).__name__}, not one completion")
+        return _generation_result(out, input_ids, 0, 0, self.url)

@@ -1,0 +1,121 @@
+"""Forced interruption at generation time (ScaleRL length control, SCALERL.md section 5): one
+completion as a small state machine over generation requests to the same server.
+
+1. Draw the thinking budget B uniformly in [thinking_budget_min, thinking_budget] and generate
+   up to B tokens.
+2. Finished (stop or abort): done.
+3. Cut by length after the model closed its thinking itself (the end-of-thinking tokens appear):
+   continue the answer with a second request for what is left of the solution budget.
+4. Cut by length inside the thinking part: append the interruption phrase (tokenized once, never
+   re-tokenizing the output; not sampled: loss mask 0) and continue from prompt + output + phrase
+   for the solution budget, which the phrase counts against.
+
+Continuations send the token ids the server produced, so nothing is re-tokenized, and carry the
+same `extra_key` (the group's admission version) so that the prefix cache serves their prompt.
+Without forced interruption a completion is one request of thinking_budget + solution_budget
+tokens. The generation call is injected (`GenerateOne`), so this runs over the SGLang client in
+the rollout manager and over a scripted stand-in in unit tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Awaitable, Callable, Sequence
+
+from megatron_rl.algorithms.length_control import sample_thinking_budget
+from megatron_rl.rollout.samples import RolloutSample, Segment, assemble_sample
+from megatron_rl.rollout.types import GenerationResult
+
+# (input token ids, max new tokens) -> one completion of them.
+GenerateOne = Callable[[Sequence[int], int], Awaitable[GenerationResult]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class InterruptionSettings:
+    enabled: bool = True
+    thinking_budget_min: int = 10240
+    thinking_budget: int = 12288
+    solution_budget: int = 2048
+    phrase_ids: tuple[int, ...] = ()  # the interruption phrase, tokenized once
+    think_end_ids: tuple[int, ...] = ()  # the end-of-thinking marker ("</think>"), tokenized
+
+    def __post_init__(self) -> None:
+        if not 0 < self.thinking_budget_min <= self.thinking_budget:
+            raise ValueError(f"thinking budgets need 0 < thinking_budget_min "
+                             f"({self.thinking_budget_min}) <= thinking_budget "
+                             f"({self.thinking_budget})")
+        if self.solution_budget < 1:
+            raise ValueError(f"solution_budget must be >= 1, got {self.solution_budget}")
+        if self.enabled and not (self.phrase_ids and self.think_end_ids):
+            raise ValueError("forced interruption needs the tokenized interruption phrase and "
+                             "end-of-thinking marker (phrase_ids, think_end_ids)")
+        if self.enabled and len(self.phrase_ids) >= self.solution_budget:
+            raise ValueError(f"the interruption phrase ({len(self.phrase_ids)} tokens) leaves no "
+                             f"room in solution_budget ({self.solution_budget}); raise "
+                             "rollout.solution_budget or shorten rollout.interruption_phrase")
+
+    @classmethod
+    def from_rollout_config(cls, rollout, encode: Callable[[str], Sequence[int]], *,
+                            think_end: str = "</think>") -> "InterruptionSettings":
+        """From megatron_rl.config's RolloutConfig; `encode` is the policy tokenizer's text ->
+        ids without special tokens (e.g. `lambda s: tok.encode(s, add_special_tokens=False)`)."""
+        enabled = rollout.forced_interruption
+        return cls(enabled=enabled, thinking_budget_min=rollout.thinking_budget_min,
+                   thinking_budget=rollout.thinking_budget,
+                   solution_budget=rollout.solution_budget,
+                   phrase_ids=tuple(encode(rollout.interruption_phrase)) if enabled else (),
+                   think_end_ids=tuple(encode(think_end)) if enabled else ())
+
+    @property
+    def max_response_tokens(self) -> int:
+        return self.thinking_budget + self.solution_budget
+
+
+def find_subsequence(tokens: Sequence[int], pattern: Sequence[int]) -> int | None:
+    """Index of the first occurrence of `pattern` in `tokens`, or None."""
+    n = len(pattern)
+    if n == 0:
+        return None
+    first = pattern[0]
+    for i in range(len(tokens) - n + 1):
+        if tokens[i] == first and tuple(tokens[i:i + n]) == tuple(pattern):
+            return i
+    return None
+
+
+def _sampled(result: GenerationResult) -> Segment:
+    return Segment(token_ids=result.token_ids, logprobs=result.logprobs,
+                   versions=result.versions)
+
+
+async def generate_completion(generate_one: GenerateOne, prompt_ids: Sequence[int], *,
+                              settings: InterruptionSettings, rng: random.Random, group_id: int,
+                              sample_index: int) -> RolloutSample:
+    """One completion of `prompt_ids`, with forced interruption when `settings.enabled`."""
+    prompt = tuple(int(t) for t in prompt_ids)
+    if not settings.enabled:
+        result = await generate_one(prompt, settings.max_response_tokens)
+        return assemble_sample(group_id=group_id, sample_index=sample_index,
+                               prompt_token_ids=prompt, segments=[_sampled(result)],
+                               finish_reason=result.finish_reason)
+    budget = sample_thinking_budget(rng, settings.thinking_budget_min, settings.thinking_budget)
+    first = await generate_one(prompt, budget)
+    segments = [_sampled(first)]
+    finish = first.finish_reason
+    if finish == "length":
+        end = find_subsequence(first.token_ids, settings.think_end_ids)
+        if end is None:  # still thinking at the budget: force the answer
+            inserted = Segment(token_ids=settings.phrase_ids, sampled=False)
+            remaining = settings.solution_budget - len(settings.phrase_ids)
+            segments.append(inserted)
+        else:  # the answer had started: it gets the rest of the solution budget
+            remaining = settings.solution_budget - (
+                len(first.token_ids) - end - len(settings.think_end_ids))
+        if remaining > 0:
+            so_far = prompt + tuple(t for s in segments for t in s.token_ids)
+            second = await generate_one(so_far, remaining)
+            segments.append(_sampled(second))
+            finish = second.finish_reason
+    return assemble_sample(group_id=group_id, sample_index=sample_index,
+                           prompt_token_ids=prompt, segments=segments, finish_reason=finish,
+                           thinking_budget=budget)

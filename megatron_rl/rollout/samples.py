@@ -1,0 +1,112 @@
+"""The typed rollout sample that travels from the generators to the trainer, and how it is
+assembled from the segments of its generation (SCALERL.md sections 5 and 7).
+
+A completion may take more than one generation request: with forced interruption, the thinking
+part is cut at its budget, the interruption phrase is appended (not sampled: loss mask 0, no
+behaviour log-prob, no policy version) and a second request writes the answer. Under Pipeline-RL
+each token may come from a different policy version (weights change in flight), so every sampled
+token keeps the version that produced it and its behaviour log-prob; CISPO's importance ratio and
+the staleness bound read them from here.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+# Stands in a per-token version list for tokens no policy produced (the interruption phrase).
+NOT_SAMPLED = -1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """A contiguous run of completion tokens: one generation request's output (`sampled`) or
+    inserted text such as the interruption phrase (not sampled)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()  # behaviour log-probs, sampled segments only
+    versions: tuple[int, ...] = ()  # policy version per token, sampled segments only
+    sampled: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sampled and not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise ValueError(f"sampled segment: {len(self.token_ids)} tokens, "
+                             f"{len(self.logprobs)} log-probs, {len(self.versions)} versions")
+        if not self.sampled and (self.logprobs or self.versions):
+            raise ValueError("an inserted segment has no log-probs or versions (no policy "
+                             "sampled it)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutSample:
+    """One completion of one prompt, ready for scoring and training. Per-token lists cover the
+    completion only (prompt excluded); `loss_mask` is 0 on inserted tokens, whose `logprobs`
+    are 0.0 and `versions` NOT_SAMPLED."""
+
+    group_id: int  # the prompt's group (G samples share it)
+    sample_index: int  # 0 .. G - 1
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    finish_reason: str  # "stop" | "length" | "abort" of the last request
+    interrupted: bool  # the interruption phrase was appended
+    segment_offsets: tuple[int, ...]  # start of each segment in the completion
+    thinking_budget: int | None = None  # the drawn budget (None: no forced interruption)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n:
+            raise ValueError(f"sample {self.group_id}/{self.sample_index}: {n} tokens but "
+                             f"{len(self.logprobs)} log-probs, {len(self.versions)} versions, "
+                             f"{len(self.loss_mask)} mask entries")
+
+    @property
+    def sampled_versions(self) -> tuple[int, ...]:
+        return tuple(v for v, m in zip(self.versions, self.loss_mask) if m)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy that produced a token of this sample (None: no sampled token)."""
+        versions = self.sampled_versions
+        return min(versions) if versions else None
+
+    @property
+    def newest_version(self) -> int | None:
+        versions = self.sampled_versions
+        return max(versions) if versions else None
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """|y_i| of SCALERL.md section 3: generated tokens, inserted ones excluded."""
+        return sum(self.loss_mask)
+
+    @property
+    def truncated(self) -> bool:
+        """Hit the hard length limit without finishing (a first-class metric: > 10-15% is
+        unstable training)."""
+        return self.finish_reason == "length"
+
+
+def assemble_sample(*, group_id: int, sample_index: int, prompt_token_ids: Sequence[int],
+                    segments: Sequence[Segment], finish_reason: str,
+                    thinking_budget: int | None = None) -> RolloutSample:
+    """The sample of a completion made of `segments`, in order."""
+    token_ids, logprobs, versions, mask, offsets = [], [], [], [], []
+    for segment in segments:
+        offsets.append(len(token_ids))
+        token_ids += segment.token_ids
+        if segment.sampled:
+            logprobs += segment.logprobs
+            versions += segment.versions
+            mask += [1] * len(segment.token_ids)
+        else:
+            logprobs += [0.0] * len(segment.token_ids)
+            versions += [NOT_SAMPLED] * len(segment.token_ids)
+            mask += [0] * len(segment.token_ids)
+    return RolloutSample(
+        group_id=group_id, sample_index=sample_index,
+        prompt_token_ids=tuple(int(t) for t in prompt_token_ids), token_ids=tuple(token_ids),
+        logprobs=tuple(logprobs), versions=tuple(versions), loss_mask=tuple(mask),
+        finish_reason=finish_reason, interrupted=any(not s.sampled for s in segments),
+        segment_offsets=tuple(offsets), thinking_budget=thinking_budget)

@@ -1,0 +1,94 @@
+"""Forced interruption against a live SGLang CPU server (tiny Llama, fp32): completions cut at
+their drawn thinking budget get the interruption phrase (tokenized once by the model's own
+tokenizer) and are continued by a second request from prompt + output + phrase, concurrently
+from one event loop through the async client.
+
+Independent reference: transformers' forward pass over the whole assembled sequence; every
+sampled token's recorded behaviour log-prob must equal log softmax(logits / T) there (so the
+continuation really was conditioned on the phrase), the phrase tokens carry loss mask 0 and no
+version, and every sampled token carries the server's version.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from test_sglang_weight_sync import LOGPROB_TOLERANCE, _served  # noqa: E402
+
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory):
+    from _hf_families import save_tiny_llama
+
+    yield from _served(tmp_path_factory, "tiny_llama_interruption", save_tiny_llama)
+
+
+def test_forced_interruption_on_a_live_server(llama_server):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout import SamplingParams
+    from megatron_rl.rollout.async_client import AsyncSGLangClient
+    from megatron_rl.rollout.interruption import InterruptionSettings, generate_completion
+    from megatron_rl.rollout.samples import NOT_SAMPLED
+
+    model_dir = llama_server.server.settings.model_path
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rollout = load_config(None, [
+        f"rollout.temperature={TEMPERATURE}", "rollout.thinking_budget_min=6",
+        "rollout.thinking_budget=10", "rollout.solution_budget=120"]).rollout
+    settings = InterruptionSettings.from_rollout_config(
+        rollout, lambda text: tokenizer.encode(text, add_special_tokens=False))
+    # Sampling runs to the length limit (ignore_eos), so the thinking part is always cut unless
+    # the model happens to write "</think>" itself.
+    params = SamplingParams.for_training(rollout, max_new_tokens=1, ignore_eos=True, seed=5)
+    prompts = [(5, 6, 7), (9, 10, 11, 12), (20, 21), (30, 31, 32, 33, 34)]
+
+    async def rollouts():
+        async with AsyncSGLangClient(llama_server.url, request_timeout_s=120) as client:
+            async def one(group_id, prompt):
+                def generate_one(input_ids, max_new_tokens):
+                    return client.generate_one(input_ids, max_new_tokens, params,
+                                               extra_key="v0")
+                return await generate_completion(generate_one, prompt, settings=settings,
+                                                 rng=random.Random(group_id),
+                                                 group_id=group_id, sample_index=0)
+            return await asyncio.gather(*(one(g, p) for g, p in enumerate(prompts)))
+
+    samples = asyncio.run(rollouts())
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    phrase = settings.phrase_ids
+    version = int(llama_server.server_weight_version())
+    interrupted = [s for s in samples if s.interrupted]
+    assert len(interrupted) >= 3, [s.token_ids for s in samples]
+    for sample in interrupted:
+        budget = sample.thinking_budget
+        assert 6 <= budget <= 10 and sample.segment_offsets == (0, budget, budget + len(phrase))
+        assert sample.token_ids[budget:budget + len(phrase)] == phrase
+        assert len(sample.token_ids) == budget + settings.solution_budget  # ran to the limit
+        assert sample.loss_mask == (1,) * budget + (0,) * len(phrase) + \
+            (1,) * (settings.solution_budget - len(phrase))
+        assert set(sample.versions[budget:budget + len(phrase)]) == {NOT_SAMPLED}
+        assert set(sample.sampled_versions) == {version}
+        sequence = torch.tensor([sample.prompt_token_ids + sample.token_ids])
+        with torch.no_grad():
+            logits = reference(sequence).logits[0].double()
+        start = len(sample.prompt_token_ids)
+        expected = torch.log_softmax(logits[start - 1:-1] / TEMPERATURE, dim=-1).gather(
+            -1, sequence[0, start:, None]).squeeze(-1)
+        mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        recorded = torch.tensor(sample.logprobs, dtype=torch.float64)
+        diff = (recorded - expected)[mask].abs().max().item()
+        assert diff < LOGPROB_TOLERANCE, f"max |logp diff| {diff} at T={TEMPERATURE}"

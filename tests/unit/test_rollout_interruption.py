@@ -1,0 +1,134 @@
+"""Forced interruption's bookkeeping (megatron_rl/rollout/interruption.py, samples.py): which
+requests are made, with what input and budget, and how the segments become one sample (offsets,
+loss masks, behaviour log-probs, per-token versions). The generation call is a scripted stand-in
+(scheduling logic only); the live-server path is tested in tests/integration."""
+import asyncio
+import random
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.rollout.interruption import (InterruptionSettings, find_subsequence,
+                                              generate_completion)
+from megatron_rl.rollout.samples import NOT_SAMPLED, Segment, assemble_sample
+from megatron_rl.rollout.types import GenerationResult
+
+pytestmark = pytest.mark.unit
+
+PHRASE, THINK_END = (90, 91, 92), (7, 8)
+SETTINGS = InterruptionSettings(thinking_budget_min=5, thinking_budget=5, solution_budget=6,
+                                phrase_ids=PHRASE, think_end_ids=THINK_END)
+
+
+class Script:
+    """Answers each request with the next scripted (tokens, finish, version) and records it."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+        self.requests = []
+
+    async def __call__(self, input_ids, max_new_tokens):
+        self.requests.append((tuple(input_ids), max_new_tokens))
+        tokens, finish, version = self.answers.pop(0)
+        assert len(tokens) <= max_new_tokens
+        return GenerationResult(prompt_index=0, sample_index=0, prompt_token_ids=tuple(input_ids),
+                                token_ids=tuple(tokens),
+                                logprobs=tuple(-0.1 * (i + 1) for i in range(len(tokens))),
+                                versions=(version,) * len(tokens), finish_reason=finish)
+
+
+def _run(script, settings=SETTINGS, seed=0):
+    return asyncio.run(generate_completion(script, (1, 2), settings=settings,
+                                           rng=random.Random(seed), group_id=3, sample_index=1))
+
+
+def test_interrupted_inside_the_thinking_part():
+    script = Script(((10, 11, 12, 13, 14), "length", 4), ((20, 21), "stop", 5))
+    sample = _run(script)
+    # The second request continues from prompt + output + phrase, with what the phrase leaves
+    # of the solution budget (6 - 3).
+    assert script.requests == [((1, 2), 5), ((1, 2, 10, 11, 12, 13, 14, 90, 91, 92), 3)]
+    assert sample.token_ids == (10, 11, 12, 13, 14, 90, 91, 92, 20, 21)
+    assert sample.loss_mask == (1, 1, 1, 1, 1, 0, 0, 0, 1, 1)
+    assert sample.versions == (4,) * 5 + (NOT_SAMPLED,) * 3 + (5, 5)
+    assert sample.logprobs[5:8] == (0.0, 0.0, 0.0) and sample.logprobs[8] == pytest.approx(-0.1)
+    assert sample.segment_offsets == (0, 5, 8)
+    assert sample.interrupted and sample.finish_reason == "stop" and not sample.truncated
+    assert (sample.oldest_version, sample.newest_version) == (4, 5)
+    assert sample.num_loss_tokens == 7 and sample.thinking_budget == 5
+    assert (sample.group_id, sample.sample_index, sample.prompt_token_ids) == (3, 1, (1, 2))
+
+
+def test_thinking_ended_before_the_budget_continues_without_the_phrase():
+    # "</think>" (7, 8) at positions 1-2: the answer used 2 of its 6 tokens in the first request.
+    script = Script(((10, 7, 8, 30, 31), "length", 0), ((32, 33, 34), "stop", 0))
+    sample = _run(script)
+    assert script.requests[1] == ((1, 2, 10, 7, 8, 30, 31), 4)
+    assert not sample.interrupted and sample.loss_mask == (1,) * 8
+    assert sample.segment_offsets == (0, 5)
+
+
+def test_a_finished_first_request_is_the_whole_completion():
+    script = Script(((10, 7, 8, 30), "stop", 2))
+    sample = _run(script)
+    assert len(script.requests) == 1 and sample.finish_reason == "stop"
+    assert sample.token_ids == (10, 7, 8, 30) and sample.thinking_budget == 5
+
+
+def test_no_room_left_is_a_truncation():
+    settings = InterruptionSettings(thinking_budget_min=5, thinking_budget=5, solution_budget=2,
+                                    phrase_ids=(90,), think_end_ids=THINK_END)
+    script = Script(((7, 8, 30, 31, 32), "length", 0))  # the answer already used 3 > 2 tokens
+    sample = _run(script, settings)
+    assert len(script.requests) == 1 and sample.truncated and not sample.interrupted
+
+
+def test_without_forced_interruption_one_request_of_the_whole_budget():
+    settings = InterruptionSettings(enabled=False, thinking_budget_min=5, thinking_budget=5,
+                                    solution_budget=6)
+    script = Script(((10,) * 11, "length", 0))
+    sample = _run(script, settings)
+    assert script.requests == [((1, 2), 11)] and sample.truncated
+    assert sample.thinking_budget is None
+
+
+def test_budgets_are_drawn_in_range_and_reproducibly():
+    settings = InterruptionSettings(thinking_budget_min=3, thinking_budget=9, solution_budget=6,
+                                    phrase_ids=PHRASE, think_end_ids=THINK_END)
+    budgets = []
+    for seed in range(40):
+        script = Script(((10,), "stop", 0))
+        budgets.append(_run(script, settings, seed).thinking_budget)
+        assert script.requests[0][1] == budgets[-1]
+    assert set(budgets) <= set(range(3, 10)) and len(set(budgets)) > 3
+    assert budgets[:5] == [_run(Script(((10,), "stop", 0)), settings, s).thinking_budget
+                           for s in range(5)]
+
+
+def test_settings_from_the_run_config_and_their_errors():
+    rollout = load_config(None, ["rollout.thinking_budget=96", "rollout.thinking_budget_min=64",
+                                 "rollout.solution_budget=100"]).rollout
+    encode = lambda text: list(text.encode())  # noqa: E731 (a byte-level tokenizer)
+    settings = InterruptionSettings.from_rollout_config(rollout, encode)
+    assert settings.phrase_ids == tuple(rollout.interruption_phrase.encode())
+    assert settings.think_end_ids == tuple(b"</think>")
+    assert (settings.thinking_budget_min, settings.thinking_budget, settings.solution_budget) \
+        == (64, 96, 100)
+    with pytest.raises(ValueError, match="leaves no room in solution_budget"):
+        InterruptionSettings.from_rollout_config(
+            load_config(None, ["rollout.solution_budget=10"]).rollout, encode)
+    off = InterruptionSettings.from_rollout_config(
+        load_config(None, ["rollout.forced_interruption=false"]).rollout, encode)
+    assert not off.enabled and off.phrase_ids == ()
+
+
+def test_samples_refuse_inconsistent_segments():
+    assert find_subsequence((1, 7, 8, 7, 8), (7, 8)) == 1
+    assert find_subsequence((1, 7), (7, 8)) is None
+    with pytest.raises(ValueError, match="sampled segment"):
+        Segment(token_ids=(1, 2), logprobs=(-1.0,), versions=(0, 0))
+    with pytest.raises(ValueError, match="no log-probs or versions"):
+        Segment(token_ids=(1,), logprobs=(-1.0,), versions=(0,), sampled=False)
+    empty = assemble_sample(group_id=0, sample_index=0, prompt_token_ids=(1,), segments=[],
+                            finish_reason="abort")
+    assert empty.oldest_version is None and empty.num_loss_tokens == 0
