@@ -70,6 +70,34 @@ class TrainBatch:
                 raise ValueError(f"completion {i}: loss_mask[0] is 1, but the first token has no "
                                  "prediction; it must be a prompt token (mask 0)")
 
+    @classmethod
+    def from_groups(cls, groups: Sequence[Sequence], advantages: Sequence[Sequence[float]]
+                    ) -> "TrainBatch":
+        """The batch of kept groups of rollout samples (megatron_rl.rollout.RolloutSample:
+        prompt_token_ids, token_ids, loss_mask, logprobs over the completion) with their
+        advantages [group][sample]: prompt tokens get mask 0 and log-prob 0, group k becomes
+        prompt id k, samples are numbered in order."""
+        if len(groups) != len(advantages):
+            raise ValueError(f"{len(groups)} groups but {len(advantages)} advantage rows")
+        token_ids, loss_mask, old_logprobs, flat_advantages, prompt_ids = [], [], [], [], []
+        for prompt_id, (group, group_advantages) in enumerate(zip(groups, advantages)):
+            if len(group) != len(group_advantages):
+                raise ValueError(f"group {prompt_id}: {len(group)} samples but "
+                                 f"{len(group_advantages)} advantages")
+            for sample, advantage in zip(group, group_advantages):
+                num_prompt = len(sample.prompt_token_ids)
+                token_ids.append(torch.tensor([*sample.prompt_token_ids, *sample.token_ids],
+                                              dtype=torch.long))
+                loss_mask.append(torch.tensor([0] * num_prompt + list(sample.loss_mask),
+                                              dtype=torch.long))
+                old_logprobs.append(torch.tensor([0.0] * num_prompt + list(sample.logprobs),
+                                                 dtype=torch.float32))
+                flat_advantages.append(float(advantage))
+                prompt_ids.append(prompt_id)
+        return cls(token_ids=token_ids, loss_mask=loss_mask, old_logprobs=old_logprobs,
+                   advantages=torch.tensor(flat_advantages, dtype=torch.float32),
+                   prompt_ids=torch.tensor(prompt_ids), sample_ids=torch.arange(len(token_ids)))
+
     @property
     def num_samples(self) -> int:
         return len(self.token_ids)

@@ -81,3 +81,31 @@ def test_denominator_inputs_are_indexed_by_sample_id():
                        sample_ids=torch.tensor([1, 0]))
     assert batch.sample_num_loss_tokens() == [3, 3]
     assert batch.prompt_of_sample() == [3, 7]
+
+
+def test_batch_from_rollout_groups():
+    """Kept groups of rollout samples -> the trainer's batch: prompt tokens masked out with
+    log-prob 0, inserted (interruption) tokens keep mask 0, advantages broadcast per sample."""
+    from megatron_rl.rollout.samples import Segment, assemble_sample
+
+    def sample(group_id, index, prompt, tokens, phrase=()):
+        segments = [Segment(token_ids=tokens, logprobs=tuple(-0.5 for _ in tokens),
+                            versions=(3,) * len(tokens))]
+        if phrase:
+            segments.append(Segment(token_ids=phrase, sampled=False))
+        return assemble_sample(group_id=group_id, sample_index=index, prompt_token_ids=prompt,
+                               segments=segments, finish_reason="stop")
+
+    groups = [[sample(7, 0, (1, 2), (5, 6)), sample(7, 1, (1, 2), (8,), phrase=(9,))],
+              [sample(4, 0, (3,), (10, 11, 12)), sample(4, 1, (3,), (13,))]]
+    batch = TrainBatch.from_groups(groups, [[0.5, -0.5], [1.0, -1.0]])
+    assert [t.tolist() for t in batch.token_ids] == [[1, 2, 5, 6], [1, 2, 8, 9], [3, 10, 11, 12],
+                                                     [3, 13]]
+    assert [m.tolist() for m in batch.loss_mask] == [[0, 0, 1, 1], [0, 0, 1, 0], [0, 1, 1, 1],
+                                                     [0, 1]]
+    assert batch.old_logprobs[1].tolist() == [0.0, 0.0, -0.5, 0.0]
+    assert batch.advantages.tolist() == [0.5, -0.5, 1.0, -1.0]
+    assert batch.prompt_ids.tolist() == [0, 0, 1, 1]
+    assert batch.sample_num_loss_tokens() == [2, 1, 3, 1]
+    with pytest.raises(ValueError, match="2 samples but 1 advantages"):
+        TrainBatch.from_groups(groups[:1], [[0.5]])
