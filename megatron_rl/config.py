@@ -379,6 +379,10 @@ class RolloutConfig:
     max_off_policyness: int = _field(8, "k: most optimizer steps the trainer may be ahead of the "
                                      "oldest data it consumes (Pipeline-RL-k; 0 = synchronous)",
                                      ge=0)
+    stale_group_policy: Literal["requeue", "drop"] = _field(
+        "requeue", "a finished group older than the bound at take time is regenerated "
+        "(requeue: no bias against long generations, which are the ones that go stale) or "
+        "dropped; both are counted")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = _field(
         "auto", "generator weight/activation dtype (SGLang dtype; auto = the checkpoint's)")
     tp_size: int = _field(1, "tensor-parallel size of each generator (SGLang tp_size)", ge=1)

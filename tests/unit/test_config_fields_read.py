@@ -29,10 +29,8 @@ TOP_LEVEL_NAMES = {"cfg", "run"}
 # NOT_HONOURED). This list must be empty when that loop lands.
 WIRED_IN_BY_THE_PIPELINE_RL_LOOP = {
     "model.hf_checkpoint",            # the trainer and generators start from this HF folder
-    "rollout.mode",                   # pipeline | ppo_off_policy schedules
     "rollout.num_generators",         # SGLang engines started under Ray
     "rollout.max_prompt_tokens",      # prompts longer than this are refused at load
-    "rollout.max_off_policyness",     # the admission gate and take-time staleness check
 }
 
 

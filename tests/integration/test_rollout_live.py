@@ -92,3 +92,65 @@ def test_forced_interruption_on_a_live_server(llama_server):
         recorded = torch.tensor(sample.logprobs, dtype=torch.float64)
         diff = (recorded - expected)[mask].abs().max().item()
         assert diff < LOGPROB_TOLERANCE, f"max |logp diff| {diff} at T={TEMPERATURE}"
+
+
+def test_rollout_manager_admits_under_the_bound_and_scores_with_the_verifier(llama_server):
+    """The manager on a live server with reasoning-gym prompts and their own scorer: groups of
+    G forced-interruption completions, scored by the real verifier, handed out under the
+    staleness bound (k = 1, 2 prompts per step: at most 4 groups started before version 1)."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.algorithms import NoPositiveResamplingSampler
+    from megatron_rl.config import load_config
+    from megatron_rl.data.sources import PROCEDURAL_TASK_PREFIX, reasoning_gym_prompts
+    from megatron_rl.rewards import ProceduralReward, ProceduralRewardConfig, RewardRegistry
+    from megatron_rl.rollout import SamplingParams
+    from megatron_rl.rollout.async_client import AsyncSGLangClient
+    from megatron_rl.rollout.interruption import InterruptionSettings
+    from megatron_rl.rollout.manager import RolloutManager
+    from megatron_rl.rollout.staleness import AdmissionGate, StalenessSettings
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_server.server.settings.model_path)
+    records = reasoning_gym_prompts("basic_arithmetic", num_prompts=6, seed=0, instruction="",
+                                    config={"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                            "max_digits": 1})
+    registry = RewardRegistry()
+    registry.register(PROCEDURAL_TASK_PREFIX, ProceduralReward(ProceduralRewardConfig()),
+                      requires=("answer",))
+    rollout = load_config(None, ["rollout.samples_per_prompt=3", "rollout.thinking_budget_min=4",
+                                 "rollout.thinking_budget=8",
+                                 "rollout.solution_budget=100"]).rollout
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    gate = AdmissionGate(StalenessSettings(max_off_policyness=1, prompts_per_step=2))
+
+    async def run():
+        async with AsyncSGLangClient(llama_server.url, request_timeout_s=120) as client:
+            manager = RolloutManager(
+                clients=[client], prompt_token_ids=[encode(r.prompt) for r in records],
+                records=records, sampler=NoPositiveResamplingSampler(len(records), seed=0),
+                gate=gate, params=SamplingParams.for_training(rollout, max_new_tokens=1,
+                                                              seed=1),
+                interruption=InterruptionSettings.from_rollout_config(rollout, encode),
+                score=registry.score_many, decode=tokenizer.decode, max_finished_groups=16)
+            manager.start()
+            try:
+                first = await manager.take(2)
+                second = await manager.take(2)
+                # Version 0 allows (k + 1 + 0) x 2 = 4 groups: nothing more starts, so a fifth
+                # group never arrives until the trainer publishes version 1.
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(manager.take(1), timeout=5)
+                return first + second, manager.num_in_flight
+            finally:
+                await manager.stop()
+
+    groups, in_flight = asyncio.run(run())
+    assert gate.num_admitted == 4 and in_flight == 0
+    assert len({g.group_id for g in groups}) == 4
+    for group in groups:
+        assert len(group.samples) == 3 and len(group.results) == 3
+        assert group.oldest_version == 0 and group.admission_version == 0
+        for sample, result in zip(group.samples, group.results):
+            assert sample.group_id == group.group_id and sample.num_loss_tokens > 0
+            assert result.reward is not None and not result.verifier_failed
+            assert result.reason in ("correct", "wrong", "no_answer", "parse_error")
