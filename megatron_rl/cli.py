@@ -11,17 +11,17 @@ import sys
 
 # subcommand -> (module, one-line help). The module's `main(argv)` parses its own arguments.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("megatron_rl.train", "run ScaleRL under the Pipeline-RL schedule from a recipe"),
     "fit": ("megatron_rl.scaling.cli", "fit compute-scaling curves to validation logs"),
     "cost": ("megatron_rl.scaling.cost", "estimate GPU-hours and the generator:trainer split"),
     "convert": ("megatron_rl.convert", "convert checkpoints between HF and Megatron"),
 }
 # Subcommands that load torch / Megatron / transformers: they print the one-line environment
 # summary (megatron_rl.console); the light ones stay light.
-LOADS_THE_STACK = frozenset({"convert"})
+LOADS_THE_STACK = frozenset({"train", "convert"})
 # Named in DESIGN.md but not built yet: say so instead of failing on a missing module.
 PLANNED: dict[str, str] = {
-    "train": "the RL driver arrives with the Pipeline-RL loop; `make demo` runs the tiny CPU run",
-    "eval": "checkpoint evaluation arrives with the RL driver",
+    "eval": "checkpoint evaluation: validation runs inside `megatron-rl train` for now",
 }
 
 

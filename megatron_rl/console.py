@@ -65,9 +65,9 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         category=FutureWarning),
     KnownWarning(
         "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
-        "load in a single process.",
-        "megatron-core loads a checkpoint's common (non-sharded) state without a process group; "
-        "the sharded tensors load collectively"),
+        "",
+        "megatron-core saves / loads a checkpoint's common (non-sharded) state without a process "
+        "group (and the HF converter runs as one process); the sharded tensors go collectively"),
     KnownWarning(
         "The argument order of load has been changed.",
         "megatron-core 0.19.2 calls torch.distributed.checkpoint.load with keywords"),

@@ -190,6 +190,15 @@ class RLTrainer:
                         num_skipped_steps=self.num_skipped_steps, extra_state=extra_state,
                         checkpoint_format=self.settings.checkpoint_format)
 
+    def load_model_weights(self, directory: str) -> None:
+        """Start from the weights of a converted (HF -> Megatron, megatron_rl.convert) or
+        trainer-saved checkpoint, without its optimizer state (model.hf_checkpoint at step 0);
+        the optimizer's main (FP32) copies are refreshed from them. Collective."""
+        from megatron_rl.convert import load_model_weights
+
+        load_model_weights(directory, self.model)
+        self.optimizer.reload_model_params()
+
     def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointState:
         state = load_checkpoint(directory, self.model, self.optimizer, self.scheduler,
                                 layout=self.layout, groups=self.groups,

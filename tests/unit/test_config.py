@@ -319,7 +319,7 @@ def test_config_to_dict_is_plain_nested():
     assert data["rollout"]["samples_per_prompt"] == 16
     assert set(data) == {"name", "output_dir", "seed", "model", "parallelism", "rollout",
                          "weight_sync", "algorithm", "train", "optimizer", "eval", "checkpoint",
-                         "logging"}
+                         "data", "cluster", "logging"}
 
 
 def test_docs_and_default_recipe_are_generated_from_the_code():

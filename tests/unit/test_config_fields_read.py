@@ -24,14 +24,9 @@ CONFIG_FILE = ROOT / "megatron_rl" / "config.py"
 SOURCE_DIRS = ("megatron_rl", "examples", "tools", "models")
 TOP_LEVEL_NAMES = {"cfg", "run"}
 
-# Fields that the asynchronous Pipeline-RL loop (issue 12, `megatron-rl train`) wires in; until
-# then the only run (the in-process demo) refuses overrides of them (examples/tiny_cpu/run.py,
-# NOT_HONOURED). This list must be empty when that loop lands.
-WIRED_IN_BY_THE_PIPELINE_RL_LOOP = {
-    "model.hf_checkpoint",            # the trainer and generators start from this HF folder
-    "rollout.num_generators",         # SGLang engines started under Ray
-    "rollout.max_prompt_tokens",      # prompts longer than this are refused at load
-}
+# Fields no code reads yet, each with the issue that wires it in. Empty since the Pipeline-RL
+# loop landed (megatron_rl/train.py); keep it empty.
+WIRED_IN_BY_THE_PIPELINE_RL_LOOP: set[str] = set()
 
 
 def _sections() -> dict[str, type]:

@@ -1,0 +1,166 @@
+"""Where the trainer ranks and the generator engines run: the layout (`ClusterLayout`: how many of
+each, devices per generator, colocated or disaggregated) and the one Ray placement group that
+reserves it (`Placement`).
+
+Bundles, in order: one per trainer rank (bundle index = rank), then one per generator engine.
+On GPU a trainer rank's bundle is {GPU: 1, CPU: c} and an engine's is {GPU: devices_per_generator,
+CPU: c} (a bundle lives on one node, so an engine's tensor-parallel GPUs share a node); on CPU the
+bundles hold CPUs only. Disaggregated placement gives every actor its own bundle. Colocated
+placement (trainer ranks and engines sharing devices, memory released and resumed between the
+generation and training phases) is expressible here (`bundles()` gives the shared layout) but not
+implemented: `RayCluster.reserve` refuses it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+_DEVICES = ("cpu", "gpu")
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterLayout:
+    """The actors of one RL run and the resources each one reserves."""
+
+    num_trainer_ranks: int  # parallelism.world_size: one Ray actor per Megatron rank
+    num_generators: int  # rollout.num_generators: one Ray actor per SGLang server
+    devices_per_generator: int = 1  # rollout.tp_size: GPUs of one SGLang server (on GPU)
+    colocated: bool = False  # trainer ranks and generators share devices (not implemented)
+    device: str = "cpu"  # cpu | gpu: what a rank / an engine reserves besides CPUs
+    cpus_per_trainer_rank: float = 1.0
+    cpus_per_generator: float = 1.0  # the engine's own processes are not Ray tasks
+    strategy: str = "PACK"  # Ray placement strategy over nodes
+
+    def __post_init__(self) -> None:
+        for name in ("num_trainer_ranks", "num_generators", "devices_per_generator"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ClusterLayout.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("cpus_per_trainer_rank", "cpus_per_generator"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ClusterLayout.{name} must be > 0, got {getattr(self, name)}")
+        if self.device not in _DEVICES:
+            raise ValueError(f"ClusterLayout.device {self.device!r}: choose one of {_DEVICES}")
+        if self.strategy not in _STRATEGIES:
+            raise ValueError(f"ClusterLayout.strategy {self.strategy!r}: choose one of "
+                             f"{_STRATEGIES}")
+        if self.colocated:
+            if self.device != "gpu":
+                raise ValueError("ClusterLayout.colocated shares GPUs between trainer ranks and "
+                                 "generators; on CPU use colocated=False")
+            total = self.num_generators * self.devices_per_generator
+            if total != self.num_trainer_ranks:
+                raise ValueError(
+                    f"ClusterLayout.colocated: the generators' GPUs (num_generators "
+                    f"{self.num_generators} x devices_per_generator "
+                    f"{self.devices_per_generator} = {total}) must be the trainer's GPUs "
+                    f"(num_trainer_ranks {self.num_trainer_ranks})")
+
+    @classmethod
+    def from_run_config(cls, run, *, device: str | None = None, **fields: Any) -> "ClusterLayout":
+        """From megatron_rl.config's RunConfig: parallelism.world_size trainer ranks,
+        rollout.num_generators engines of rollout.tp_size devices each. `device` None: gpu
+        when this process sees CUDA, else cpu."""
+        if device is None:
+            from megatron_rl.platform import has_cuda
+
+            device = "gpu" if has_cuda() else "cpu"
+        return cls(num_trainer_ranks=run.parallelism.world_size,
+                   num_generators=run.rollout.num_generators,
+                   devices_per_generator=run.rollout.tp_size, device=device, **fields)
+
+    @property
+    def num_bundles(self) -> int:
+        return len(self.bundles())
+
+    def trainer_bundle_index(self, rank: int) -> int:
+        self._check_index("trainer rank", rank, self.num_trainer_ranks)
+        return rank
+
+    def generator_bundle_index(self, index: int) -> int:
+        self._check_index("generator", index, self.num_generators)
+        if self.colocated:  # an engine shares the bundles of the trainer ranks on its GPUs
+            return index * self.devices_per_generator
+        return self.num_trainer_ranks + index
+
+    def trainer_resources(self) -> dict[str, float]:
+        """What one trainer rank's actor requests (inside its bundle)."""
+        gpus = {"GPU": 1.0} if self.device == "gpu" else {}
+        return {"CPU": self.cpus_per_trainer_rank, **gpus}
+
+    def generator_resources(self) -> dict[str, float]:
+        """What one generator actor requests (inside its bundle)."""
+        gpus = {"GPU": float(self.devices_per_generator)} if self.device == "gpu" else {}
+        return {"CPU": self.cpus_per_generator, **gpus}
+
+    def bundles(self) -> list[dict[str, float]]:
+        """The placement group's bundles: trainer ranks first (index = rank), then generators.
+        Colocated: one bundle per trainer GPU, holding that rank and a share of an engine."""
+        if self.colocated:
+            shared = {"CPU": self.cpus_per_trainer_rank + self.cpus_per_generator, "GPU": 1.0}
+            return [dict(shared) for _ in range(self.num_trainer_ranks)]
+        return ([self.trainer_resources() for _ in range(self.num_trainer_ranks)]
+                + [self.generator_resources() for _ in range(self.num_generators)])
+
+    @staticmethod
+    def _check_index(what: str, index: int, count: int) -> None:
+        if not 0 <= index < count:
+            raise IndexError(f"{what} {index} is not in [0, {count})")
+
+
+class Placement:
+    """A reserved placement group of a `ClusterLayout` (made by `RayCluster.reserve`)."""
+
+    def __init__(self, layout: ClusterLayout, placement_group, cluster):
+        self.layout = layout
+        self.placement_group = placement_group
+        self.cluster = cluster  # the RayCluster whose shutdown() stops what runs here
+
+    def scheduling(self, bundle_index: int):
+        """Ray scheduling strategy pinning an actor to bundle `bundle_index`."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.placement_group, placement_group_bundle_index=bundle_index,
+            placement_group_capture_child_tasks=False)
+
+    def trainer_options(self, rank: int) -> dict[str, Any]:
+        """`ActorClass.options(...)` of trainer rank `rank`."""
+        resources = self.layout.trainer_resources()
+        return {"num_cpus": resources["CPU"], "num_gpus": resources.get("GPU", 0),
+                "scheduling_strategy": self.scheduling(self.layout.trainer_bundle_index(rank))}
+
+    def generator_options(self, index: int) -> dict[str, Any]:
+        """`ActorClass.options(...)` of generator `index`."""
+        resources = self.layout.generator_resources()
+        return {"num_cpus": resources["CPU"], "num_gpus": resources.get("GPU", 0),
+                "scheduling_strategy": self.scheduling(self.layout.generator_bundle_index(index))}
+
+    def remove(self) -> None:
+        from ray.util import remove_placement_group
+
+        remove_placement_group(self.placement_group)
+
+
+def reserve_placement_group(layout: ClusterLayout, *, timeout_s: float, name: str = ""):
+    """Create the layout's placement group and wait until Ray has reserved every bundle."""
+    import ray
+    from ray.util import placement_group, remove_placement_group
+
+    if layout.colocated:
+        raise NotImplementedError(
+            "colocated placement (trainer ranks and generators sharing GPUs, generator memory "
+            "released and resumed around each training phase) is not implemented yet; use "
+            "ClusterLayout(colocated=False): trainer ranks and generators on separate devices")
+    group = placement_group(layout.bundles(), strategy=layout.strategy, name=name)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        available = ray.available_resources()
+        remove_placement_group(group)
+        raise TimeoutError(
+            f"Ray could not reserve the placement group within {timeout_s:.0f} s: it needs "
+            f"bundles {layout.bundles()} ({layout.strategy}); the cluster has "
+            f"{ {k: v for k, v in sorted(available.items()) if k in ('CPU', 'GPU')} } free. "
+            "Give the cluster more CPUs / GPUs (ClusterSettings.num_cpus / num_gpus for a local "
+            "one) or fewer / smaller actors (ClusterLayout)")
+    return group

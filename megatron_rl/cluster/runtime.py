@@ -1,0 +1,217 @@
+"""The Ray runtime of a run: start a local cluster bound to the loopback interface, or join an
+existing one, reserve placement groups on it, and stop everything that was started in one
+`shutdown()`.
+
+Local start (`ClusterSettings.address` None): `ray.init(address="local")` always starts a fresh
+cluster (RAY_ADDRESS and clusters already running on the machine are ignored), with a small object
+store and no dashboard. Ray picks the address its components bind to when `ray` is imported: with
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 it is 127.0.0.1 for every component (GCS, raylet, workers,
+agents); without it, `_node_ip_address="127.0.0.1"` alone is resolved to the machine's external
+address and the GCS and raylet listen on all interfaces (both checked on Ray 2.60 with
+psutil.net_connections). So the variable is set for the children, and the value Ray read at import
+(`ray._private.ray_constants.ENABLE_RAY_CLUSTER`) is set to match when `ray` was imported first;
+after start the node address is checked to be 127.0.0.1. Both are restored at shutdown.
+Join (`address` "host:port" or "auto"): `ray.init(address=...)`; the cluster's own settings apply.
+Joining a loopback address (a local cluster of another process on this machine) gets the same
+treatment: otherwise Ray rewrites 127.0.0.1 to the external address and never reaches it.
+
+Everything the cluster layer creates registers its stop function here (`on_shutdown`), so that
+`RayCluster.shutdown()` stops trainer ranks, generators (their SGLang servers included),
+placement groups and finally Ray itself, in reverse order of creation, every step attempted even
+when an earlier one fails.
+
+Ray's workers import megatron_rl and models by name: the project must be installed (`make setup`
+installs it editable) or be on PYTHONPATH on every node.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+from collections.abc import Callable
+
+from megatron_rl.cluster.placement import ClusterLayout, Placement, reserve_placement_group
+
+_LOOPBACK = "127.0.0.1"
+_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": every Ray component binds 127.0.0.1
+# Unix sockets (raylet, plasma store) live under the temp dir; their paths must stay < 108 bytes.
+_MAX_TEMP_DIR_CHARS = 48
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster could not be started, joined or stopped cleanly."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSettings:
+    """How to get a Ray cluster. The local-only fields are refused when joining (the joined
+    cluster's `ray start` decided them)."""
+
+    address: str | None = None  # None: start a local, loopback-only cluster; else join it
+    num_cpus: int | None = None  # local: CPUs offered (None: Ray counts the machine's)
+    num_gpus: int | None = None  # local: GPUs offered (None: Ray counts them)
+    object_store_mb: int = 256  # local: plasma store size (Ray's default is 30% of RAM)
+    temp_dir: str | None = None  # local: Ray's session root (None: Ray's /tmp/ray); short path
+    namespace: str | None = None  # Ray namespace of the run's actors
+    log_to_driver: bool = True  # stream the actors' stdout / stderr to this process
+    placement_timeout_s: float = 300.0  # longest wait for a placement group's resources
+
+    def __post_init__(self) -> None:
+        if self.address is not None:
+            given = [name for name in ("num_cpus", "num_gpus", "temp_dir")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(
+                    f"ClusterSettings.{', '.join(given)}: only for a local cluster (address "
+                    f"None); joining {self.address!r} uses that cluster's resources and "
+                    "directories: leave them None")
+            if self.address == "local":
+                raise ValueError("ClusterSettings.address: use None (not 'local') for a local "
+                                 "loopback-only cluster")
+        if self.object_store_mb < 80:
+            raise ValueError(f"ClusterSettings.object_store_mb must be >= 80 (Ray's minimum is "
+                             f"75 MiB), got {self.object_store_mb}")
+        if self.temp_dir is not None:
+            if not os.path.isabs(self.temp_dir):
+                raise ValueError(f"ClusterSettings.temp_dir must be absolute, got "
+                                 f"{self.temp_dir!r}")
+            if len(self.temp_dir) > _MAX_TEMP_DIR_CHARS:
+                raise ValueError(
+                    f"ClusterSettings.temp_dir {self.temp_dir!r} is {len(self.temp_dir)} "
+                    f"characters; Ray's Unix socket paths under it must stay below 108 bytes: "
+                    f"use at most {_MAX_TEMP_DIR_CHARS} (e.g. under /tmp)")
+
+    @property
+    def is_local(self) -> bool:
+        return self.address is None
+
+
+def _is_loopback_address(address: str) -> bool:
+    """Whether a "host:port" address is on the loopback interface (a local cluster started by
+    RayCluster in another process): Ray would rewrite 127.0.0.1 to the machine's external
+    address, where that cluster does not listen."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class RayCluster:
+    """This process's connection to a Ray cluster (started or joined) and what runs on it."""
+
+    def __init__(self, settings: ClusterSettings, node_ip: str, gcs_address: str,
+                 restore: Callable[[], None]):
+        self.settings = settings
+        self.node_ip = node_ip  # this (driver) node's address as Ray sees it
+        self.gcs_address = gcs_address  # what another driver passes as ClusterSettings.address
+        self._restore = restore
+        self._stoppers: list[tuple[str, Callable[[], None]]] = []
+        self._running = True
+
+    # ------------------------------------------------------------------ start
+
+    @classmethod
+    def start(cls, settings: ClusterSettings = ClusterSettings()) -> "RayCluster":
+        """Start a local loopback-only cluster (`settings.address` None) or join one."""
+        previous_env = os.environ.get(_LOOPBACK_ENV)
+        previous_sigterm = signal.getsignal(signal.SIGTERM)  # ray.init replaces the handler
+        loopback = settings.is_local or _is_loopback_address(settings.address)
+        if loopback:
+            os.environ[_LOOPBACK_ENV] = "0"  # before `import ray` below, and for every child
+        import ray
+        from ray._private import ray_constants
+
+        previous_flag = ray_constants.ENABLE_RAY_CLUSTER
+
+        def restore() -> None:
+            ray_constants.ENABLE_RAY_CLUSTER = previous_flag
+            if previous_env is None:
+                os.environ.pop(_LOOPBACK_ENV, None)
+            else:
+                os.environ[_LOOPBACK_ENV] = previous_env
+            if previous_sigterm is not None and threading.current_thread() is \
+                    threading.main_thread():
+                signal.signal(signal.SIGTERM, previous_sigterm)
+
+        if ray.is_initialized():
+            restore()
+            raise ClusterError("Ray is already initialised in this process; shut that "
+                               "connection down (ray.shutdown()) before starting a RayCluster")
+        try:
+            if loopback:
+                # Ray read the variable when it was first imported (maybe before this call).
+                ray_constants.ENABLE_RAY_CLUSTER = False
+            if settings.is_local:
+                context = ray.init(
+                    address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
+                    object_store_memory=settings.object_store_mb * 2**20,
+                    include_dashboard=False, namespace=settings.namespace,
+                    log_to_driver=settings.log_to_driver, _node_ip_address=_LOOPBACK,
+                    _temp_dir=settings.temp_dir)
+            else:
+                context = ray.init(address=settings.address, namespace=settings.namespace,
+                                   log_to_driver=settings.log_to_driver)
+            node_ip = context.address_info["node_ip_address"]
+            if loopback and node_ip != _LOOPBACK:
+                raise ClusterError(f"the local Ray cluster came up on {node_ip}, not on "
+                                   f"{_LOOPBACK}; it is not loopback-only")
+        except BaseException:
+            if ray.is_initialized():
+                ray.shutdown()
+            restore()
+            raise
+        return cls(settings, node_ip, context.address_info["gcs_address"], restore)
+
+    def __enter__(self) -> "RayCluster":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ use
+
+    def reserve(self, layout: ClusterLayout, *, name: str = "") -> Placement:
+        """One placement group for the layout's trainer ranks and generators, reserved (waits
+        up to `settings.placement_timeout_s`) and released at shutdown."""
+        self._check_running()
+        group = reserve_placement_group(layout, timeout_s=self.settings.placement_timeout_s,
+                                        name=name)
+        placement = Placement(layout, group, self)
+        self.on_shutdown(f"placement group {name or group.id.hex()}", placement.remove)
+        return placement
+
+    def on_shutdown(self, what: str, stop: Callable[[], None]) -> None:
+        """Register `stop` (named `what` in errors) to run at shutdown, before what was
+        registered earlier."""
+        self._check_running()
+        self._stoppers.append((what, stop))
+
+    def _check_running(self) -> None:
+        if not self._running:
+            raise ClusterError("this RayCluster has been shut down")
+
+    # ------------------------------------------------------------------ stop
+
+    def shutdown(self) -> None:
+        """Stop everything registered (newest first), then disconnect from Ray (a local
+        cluster's processes end with it). Every step runs; failures are raised together at
+        the end. Safe to call twice."""
+        if not self._running:
+            return
+        self._running = False
+        import ray
+
+        failures = []
+        while self._stoppers:
+            what, stop = self._stoppers.pop()
+            try:
+                stop()
+            except Exception as exc:  # noqa: BLE001 (the remaining steps must still run)
+                failures.append(f"stopping {what}: {type(exc).__name__}: {exc}")
+        try:
+            ray.shutdown()
+        except Exception as exc:  # noqa: BLE001
+            failures.append(f"ray.shutdown(): {type(exc).__name__}: {exc}")
+        self._restore()
+        if failures:
+            raise ClusterError("shutdown finished with errors:\n  " + "\n  ".join(failures))
+

@@ -1,0 +1,314 @@
+"""The Megatron trainer as Ray actors: `TrainerWorker` is one rank (an `RLTrainer` plus its
+`WeightSync` to the generators) and `TrainerGroup` creates the ranks in a placement group's trainer
+bundles and calls a method on all of them.
+
+Start-up, torchrun's contract over Ray: every worker reports its node; rank 0 picks the rendezvous
+address (its node's Ray address and a free port there); each worker gets RANK, WORLD_SIZE,
+LOCAL_RANK (its index among the trainer ranks on its node, in rank order), LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT in its environment before torch.distributed starts (inside
+`RLTrainer`, megatron_rl.platform.init_distributed). On GPU, Ray narrows each actor's
+CUDA_VISIBLE_DEVICES to its own GPU; a worker instead sees the GPUs of all trainer ranks on its
+node, in local-rank order, so that device LOCAL_RANK is its own (what init_distributed selects)
+and NCCL sees its node peers as torchrun would show them.
+
+Every method of a worker is collective (all ranks call it, in the same order); `TrainerGroup`
+does that and returns rank 0's result. Only typed objects cross the actor boundary: TrainBatch,
+StepMetrics, SyncReport, CheckpointState, GeneratorEndpoint, the RunConfig (and the driver-owned
+checkpoint `extra_state`, which RLTrainer pickles as it is). Paths must be absolute: the actors'
+working directory is not the driver's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.cluster.generators import GeneratorEndpoint
+from megatron_rl.cluster.processes import pick_rendezvous_port
+from megatron_rl.cluster.remote import actor_class, gather, kill_actors
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class WorkerNode:
+    """Where a trainer worker runs."""
+
+    node_id: str
+    node_ip: str
+    gpu_ids: tuple[str, ...]  # the GPUs Ray assigned to this actor (none on CPU)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Rendezvous:
+    """torch.distributed's rendezvous: rank 0's TCPStore."""
+
+    master_addr: str
+    master_port: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerRankEnv:
+    """One rank's torchrun-style environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    visible_devices: tuple[str, ...] | None = None  # GPU: the node's trainer GPUs, in order
+
+    def environment(self) -> dict[str, str]:
+        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+               "LOCAL_RANK": str(self.local_rank),
+               "LOCAL_WORLD_SIZE": str(self.local_world_size),
+               "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        if self.visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.visible_devices)
+        return env
+
+
+def rank_environments(nodes: Sequence[WorkerNode], rendezvous: Rendezvous
+                      ) -> list[TrainerRankEnv]:
+    """The environment of each rank (`nodes[rank]` is where rank runs)."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(nodes):
+        by_node.setdefault(node.node_id, []).append(rank)
+    envs = []
+    for rank, node in enumerate(nodes):
+        peers = by_node[node.node_id]
+        gpus = [gpu for peer in peers for gpu in nodes[peer].gpu_ids]
+        if gpus and any(len(nodes[peer].gpu_ids) != 1 for peer in peers):
+            raise ValueError(f"trainer rank {rank}: every trainer rank needs exactly one GPU; "
+                             f"Ray gave ranks {peers} on node {node.node_ip} "
+                             f"{[nodes[p].gpu_ids for p in peers]}")
+        envs.append(TrainerRankEnv(
+            rank=rank, world_size=len(nodes), local_rank=peers.index(rank),
+            local_world_size=len(peers), master_addr=rendezvous.master_addr,
+            master_port=rendezvous.master_port,
+            visible_devices=tuple(gpus) if gpus else None))
+    return envs
+
+
+class TrainerWorker:
+    """One Megatron trainer rank (a Ray actor, created by `TrainerGroup`)."""
+
+    def __init__(self, rank: int):
+        from megatron_rl.console import quiet_known_warnings, verbose_requested
+
+        # A Ray worker is a program of its own: the known third-party warnings (and -v /
+        # MEGATRON_RL_VERBOSE, inherited through the environment) apply to it as to the driver.
+        quiet_known_warnings(verbose=verbose_requested([])[0])
+        self.rank = rank
+        self.trainer = None
+        self.run_config = None
+        self.weight_sync = None
+
+    def __repr__(self) -> str:  # Ray shows it in errors and in `ray list actors`
+        return f"TrainerWorker(rank {self.rank})"
+
+    # ------------------------------------------------------------------ start-up
+
+    def node(self) -> WorkerNode:
+        import ray
+
+        context = ray.get_runtime_context()
+        return WorkerNode(node_id=context.get_node_id(), node_ip=ray.util.get_node_ip_address(),
+                          gpu_ids=tuple(str(g) for g in
+                                        context.get_accelerator_ids().get("GPU", [])))
+
+    def pick_rendezvous(self) -> Rendezvous:
+        """Rank 0: this node's Ray address and a port free on it, for the TCPStore."""
+        import ray
+
+        address = ray.util.get_node_ip_address()
+        return Rendezvous(master_addr=address, master_port=pick_rendezvous_port(address))
+
+    def setup(self, env: TrainerRankEnv, run_config, family=None,
+              config_overrides: dict[str, Any] | None = None) -> None:
+        """Set the rank's environment, then build the RLTrainer (starts torch.distributed;
+        collective). `family` overrides the registry family as RLTrainer's `family=` does."""
+        if env.rank != self.rank:
+            raise ValueError(f"{self!r} was given the environment of rank {env.rank}")
+        if self.trainer is not None:
+            raise RuntimeError(f"{self!r} is already set up")
+        os.environ.update(env.environment())  # before torch.distributed and CUDA start
+        from megatron_rl.trainer import RLTrainer, TrainerSettings
+
+        self.run_config = run_config
+        self.trainer = RLTrainer(
+            TrainerSettings.from_run_config(run_config, **(config_overrides or {})),
+            family=family)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch):
+        """One optimizer step on the global `TrainBatch` -> StepMetrics."""
+        return self._trainer().train_step(batch)
+
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None) -> None:
+        self._trainer().save_checkpoint(directory, extra_state)
+
+    def load_checkpoint(self, directory: str, load_optimizer: bool = True):
+        """-> CheckpointState (step counters, the saved layout, the driver's extra_state)."""
+        return self._trainer().load_checkpoint(directory, load_optimizer=load_optimizer)
+
+    def load_model_weights(self, directory: str) -> None:
+        """Start from a converted (HF -> Megatron) or trainer-saved checkpoint's weights,
+        without its optimizer state (RLTrainer.load_model_weights)."""
+        self._trainer().load_model_weights(directory)
+
+    # ------------------------------------------------------------------ weights
+
+    def connect_generators(self, generators: Sequence[GeneratorEndpoint],
+                           hf_config_dir: str) -> None:
+        """Build the WeightSync to these generators (collective). The HF <-> Megatron mapping
+        is that of `hf_config_dir`'s config.json (the checkpoint the generators serve); the
+        weight_sync section of the run config gives transport, buckets, pause mode and
+        timeouts. Each stage's sender listens on its own node's Ray address."""
+        import ray
+
+        from models import model_family_for_hf_config
+        from megatron_rl.rollout import SGLangGenerator
+        from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
+
+        trainer = self._trainer()
+        if not generators:
+            raise ValueError("connect_generators: no generators given")
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
+        hf_family = model_family_for_hf_config(
+            json.loads((Path(hf_config_dir) / "config.json").read_text()))
+        settings = WeightSyncSettings.from_run_config(
+            self.run_config, hf_config_dir=hf_config_dir,
+            master_address=ray.util.get_node_ip_address())
+        clients = [SGLangGenerator(g.url, num_ranks=g.num_ranks,
+                                   request_timeout_s=settings.timeout_s) for g in generators]
+        self.weight_sync = WeightSync(trainer.model, hf_family.weight_groups(), clients,
+                                      settings, hf_vocab_size=hf_family.hf_config.vocab_size)
+
+    def sync_weights(self):
+        """Push the current weights to the connected generators (collective) -> SyncReport;
+        raises WeightSyncError (the generators keep their previous version)."""
+        if self.weight_sync is None:
+            raise RuntimeError(f"{self!r}: sync_weights() before connect_generators()")
+        return self.weight_sync.sync()
+
+    # ------------------------------------------------------------------ stop
+
+    def shutdown(self) -> None:
+        """Close the weight-update groups and torch.distributed (collective)."""
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
+        if self.trainer is not None:
+            from megatron_rl.platform import destroy_distributed
+
+            destroy_distributed()
+            self.trainer = None
+
+    def _trainer(self):
+        if self.trainer is None:
+            raise RuntimeError(f"{self!r} is not set up (TrainerGroup.create does it)")
+        return self.trainer
+
+
+class TrainerGroup:
+    """The trainer's ranks, one `TrainerWorker` actor each, called together."""
+
+    def __init__(self, placement, workers: list):
+        self.placement = placement
+        self.workers = workers
+        self._stopped = False
+
+    @classmethod
+    def create(cls, placement, run_config, *, family=None,
+               config_overrides: dict[str, Any] | None = None,
+               timeout_s: float | None = 900.0) -> "TrainerGroup":
+        """Start `placement.layout.num_trainer_ranks` workers (= parallelism.world_size) and
+        build the trainer on all of them; on failure every worker is stopped."""
+        import ray
+
+        world_size = placement.layout.num_trainer_ranks
+        if run_config.parallelism.world_size != world_size:
+            raise ValueError(
+                f"parallelism.world_size is {run_config.parallelism.world_size} but the "
+                f"placement has {world_size} trainer ranks (ClusterLayout.num_trainer_ranks); "
+                "they must match")
+        actor = actor_class(TrainerWorker)
+        workers = [actor.options(**placement.trainer_options(rank), max_restarts=0).remote(rank)
+                   for rank in range(world_size)]
+        group = cls(placement, workers)
+        placement.cluster.on_shutdown("trainer ranks", group.shutdown)
+        try:
+            nodes = group._call_all("node", timeout_s=timeout_s)
+            rendezvous = ray.get(workers[0].pick_rendezvous.remote(), timeout=timeout_s)
+            envs = rank_environments(nodes, rendezvous)
+            config_ref = ray.put(run_config)
+            gather([w.setup.remote(env, config_ref, family, config_overrides)
+                    for w, env in zip(workers, envs)], group._labels(),
+                   what="building the trainer", timeout_s=timeout_s)
+        except BaseException:
+            # Short: a rank that failed leaves the others blocked in a collective with it.
+            group.shutdown(timeout_s=10.0)
+            raise
+        return group
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None,
+             **kwargs: Any) -> Any:
+        """Call `method` on every rank (collective) and return rank 0's result; the first rank
+        to fail raises (see megatron_rl.cluster.remote.gather)."""
+        return self._call_all(method, *args, timeout_s=timeout_s, **kwargs)[0]
+
+    def train_step(self, batch):
+        """-> rank 0's StepMetrics (global means). The batch is serialised once for all."""
+        import ray
+
+        return self.call("train_step", ray.put(batch))
+
+    def connect_generators(self, generators: Sequence[GeneratorEndpoint],
+                           hf_config_dir: str) -> None:
+        self.call("connect_generators", list(generators), hf_config_dir)
+
+    def sync_weights(self):
+        """-> rank 0's SyncReport (the coordinator's: version, time split, control time)."""
+        return self.call("sync_weights")
+
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None) -> None:
+        self.call("save_checkpoint", directory, extra_state)
+
+    def load_checkpoint(self, directory: str, *, load_optimizer: bool = True):
+        """-> rank 0's CheckpointState."""
+        return self.call("load_checkpoint", directory, load_optimizer)
+
+    def load_model_weights(self, directory: str) -> None:
+        self.call("load_model_weights", directory)
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Close torch.distributed on every rank (waits up to `timeout_s`: a rank stuck in a
+        collective is not waited for), then kill the actors. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        import ray
+
+        refs = [w.shutdown.remote() for w in self.workers]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        kill_actors(self.workers)
+
+    def _call_all(self, method: str, *args: Any, timeout_s: float | None = None,
+                  **kwargs: Any) -> list[Any]:
+        if self._stopped:
+            raise RuntimeError("the trainer group has been shut down")
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return gather(refs, self._labels(), what=f"TrainerWorker.{method}", timeout_s=timeout_s)
+
+    def _labels(self) -> list[str]:
+        return [f"trainer rank {rank}" for rank in range(len(self.workers))]

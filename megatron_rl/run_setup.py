@@ -1,0 +1,347 @@
+"""What a training run starts and stops (megatron_rl/train.py drives it): the prompts and their
+held-out split, the verifiers, the Ray cluster with the generator engines and the Megatron trainer
+ranks, the weight sync between them, the rollout manager on its own event loop, and the outputs
+(TensorBoard, the compute-scaling log, checkpoints). `RunSetup.start(cfg)` brings everything up
+in order and the context exit tears it down in reverse, also after an error, so no SGLang server,
+Ray worker or verifier process outlives the run.
+
+Compute for the scaling curve is device-hours: (trainer ranks + generator devices) x wall time
+since the first optimizer step began (on CPU, processes stand in for devices).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from megatron_rl.config import ConfigError, RunConfig
+
+
+def _load_records(cfg: RunConfig) -> list:
+    from megatron_rl.data.loading import load_prompts
+    from megatron_rl.data.sources import PROCEDURAL_TASK_PREFIX, reasoning_gym_prompts
+
+    source = cfg.data.prompts
+    if source.startswith(PROCEDURAL_TASK_PREFIX):
+        return reasoning_gym_prompts(source[len(PROCEDURAL_TASK_PREFIX):],
+                                     num_prompts=cfg.data.num_generated_prompts, seed=cfg.seed)
+    return load_prompts(source)
+
+
+class RunSetup:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.step = 0
+        self.version = 0
+        self._stack = contextlib.ExitStack()
+        self._compute_start: float | None = None
+        self._compute_offset = 0.0
+
+    # ------------------------------------------------------------------ start / stop
+
+    @classmethod
+    def start(cls, cfg: RunConfig) -> "RunSetup":
+        run = cls(cfg)
+        try:
+            run._start()
+        except BaseException:
+            run._stack.close()
+            raise
+        return run
+
+    def __enter__(self) -> "RunSetup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        if cfg.model.hf_checkpoint is None:
+            raise ConfigError("model.hf_checkpoint: megatron-rl train needs the HF checkpoint "
+                              "the generators serve and the trainer starts from; convert or "
+                              "create one (tools/, docs/convert.md)")
+        if cfg.checkpoint.load is not None:
+            raise ConfigError("checkpoint.load: resuming a megatron-rl train run is not built "
+                              "yet (whole-run checkpoints arrive with fault tolerance); set "
+                              "checkpoint.load=null")
+        from torch.utils.tensorboard import SummaryWriter
+        from transformers import AutoTokenizer
+
+        from megatron_rl.scaling.log import ScalingLog
+
+        self.out = Path(cfg.output_dir).resolve()  # Ray actors need absolute paths
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.writer = SummaryWriter(cfg.tensorboard_dir)
+        self._stack.callback(self.writer.close)
+        self.scaling_log = ScalingLog(self.out, tb_writer=self.writer)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
+        self._start_verifiers()
+        self._load_data()
+        self._start_cluster()
+        self._start_rollouts()
+
+    def _start_verifiers(self) -> None:
+        from megatron_rl.rewards import MathVerifier, Sandbox, default_registry
+        from megatron_rl.rewards.failures import VerifierFailureCounter
+
+        self.math_verifier = MathVerifier()
+        self._stack.callback(self.math_verifier.close)
+        self.sandbox = Sandbox()
+        self._stack.callback(self.sandbox.close)
+        self.registry = default_registry(math_verifier=self.math_verifier, sandbox=self.sandbox)
+        self.verifier_failures = VerifierFailureCounter.from_run_config(self.cfg)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _prompt_ids(self, record) -> list[int]:
+        """The policy's prompt tokens (chat template when the tokenizer has one)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": record.prompt}], add_generation_prompt=True,
+                tokenize=True))
+        return self.tokenizer.encode(record.prompt, add_special_tokens=True)
+
+    def _load_data(self) -> None:
+        from megatron_rl.data.split import split_heldout
+
+        cfg = self.cfg
+        records = _load_records(cfg)
+        self.registry.check(records)
+        train, heldout = split_heldout(records, num_heldout=cfg.eval.num_heldout_prompts,
+                                       seed=cfg.seed)
+        self.train_records, self.heldout_records = train, heldout
+        self.train_prompt_ids = [self._prompt_ids(r) for r in train]
+        self.heldout_prompt_ids = [self._prompt_ids(r) for r in heldout]
+        limit = cfg.rollout.max_prompt_tokens
+        too_long = [r.prompt_id for r, ids in zip(records, self.train_prompt_ids
+                                                  + self.heldout_prompt_ids) if len(ids) > limit]
+        if too_long:
+            raise ConfigError(f"rollout.max_prompt_tokens: {len(too_long)} prompt(s) are longer "
+                              f"than {limit} tokens (e.g. {too_long[:3]}); raise it (and "
+                              "train.micro_batch_max_tokens) or filter the prompt file")
+
+    def _start_cluster(self) -> None:
+        """Ray, one placement group, the SGLang engines serving model.hf_checkpoint (version 0)
+        and the trainer ranks starting from the same weights, connected by the weight sync."""
+        from megatron_rl.cluster import (ClusterLayout, ClusterSettings, GeneratorPool,
+                                         RayCluster, TrainerGroup)
+        from megatron_rl.rollout import SGLangServerSettings
+
+        cfg = self.cfg
+        self.ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address))
+        self._stack.callback(self.ray.shutdown)
+        layout = ClusterLayout.from_run_config(cfg, colocated=cfg.cluster.colocated)
+        placement = self.ray.reserve(layout, name=cfg.name)
+        model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
+        servers = [SGLangServerSettings.from_rollout_config(
+            cfg.rollout, model_dir, random_seed=cfg.seed + i,
+            log_path=str((self.out / f"generator-{i}.log").resolve()))
+            for i in range(layout.num_generators)]
+        self.generators = GeneratorPool.launch(placement, servers)
+        self.generator_urls = self.generators.urls
+        self.trainers = TrainerGroup.create(placement, cfg)
+        self.trainers.call("load_model_weights", self._converted_start_checkpoint(model_dir))
+        self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=model_dir)
+        self.num_devices = layout.num_trainer_ranks + \
+            layout.num_generators * layout.devices_per_generator
+
+    def _converted_start_checkpoint(self, model_dir: str) -> str:
+        """model.hf_checkpoint as a Megatron checkpoint (converted once per run directory)."""
+        from megatron_rl.convert import convert_hf_to_megatron
+
+        target = self.out / "start_checkpoint"
+        if not (target / "metadata.json").is_file():
+            convert_hf_to_megatron(model_dir, target, overwrite=True,
+                                   progress=self.cfg.logging.progress_bar)
+        return str(target.resolve())
+
+    def _start_rollouts(self) -> None:
+        from megatron_rl.algorithms import NoPositiveResamplingSampler
+        from megatron_rl.rollout import SamplingParams
+        from megatron_rl.rollout.async_client import AsyncSGLangClient
+        from megatron_rl.rollout.interruption import InterruptionSettings
+        from megatron_rl.rollout.manager import RolloutManager
+        from megatron_rl.rollout.staleness import AdmissionGate, StalenessSettings
+
+        cfg = self.cfg
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="rollouts",
+                                             daemon=True)
+        self._loop_thread.start()
+        self._stack.callback(self._stop_loop)
+        self.clients = [AsyncSGLangClient(url) for url in self.generator_urls]
+        self.gate = AdmissionGate(StalenessSettings.from_run_config(cfg))
+        self.sampler = NoPositiveResamplingSampler(
+            len(self.train_records), threshold=cfg.algorithm.npr_threshold, seed=cfg.seed,
+            enabled=cfg.algorithm.no_positive_resampling)
+        self.interruption = InterruptionSettings.from_rollout_config(cfg.rollout, self.encode)
+        self.manager = RolloutManager(
+            clients=self.clients, prompt_token_ids=self.train_prompt_ids,
+            records=self.train_records, sampler=self.sampler, gate=self.gate,
+            params=SamplingParams.for_training(cfg.rollout, max_new_tokens=1, seed=cfg.seed),
+            interruption=self.interruption, score=self.registry.score_many,
+            decode=self.tokenizer.decode,
+            max_finished_groups=self.gate.settings.max_outstanding_groups, seed=cfg.seed)
+        self._call(self._async(self.manager.start))
+        self._stack.callback(lambda: self._call(self.manager.stop()))
+
+    @staticmethod
+    async def _async(fn):
+        return fn()
+
+    def _call(self, coroutine, timeout: float | None = None):
+        """Run a coroutine on the rollout loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def _stop_loop(self) -> None:
+        for client in self.clients:
+            self._call(client.close())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ the loop's steps
+
+    def progress(self, steps: Iterable[int]):
+        from tqdm import tqdm
+
+        self._compute_start = time.perf_counter()
+        self._progress = tqdm(steps, desc=self.cfg.name, unit="step",
+                              disable=not self.cfg.logging.progress_bar)
+        return self._progress
+
+    @property
+    def compute_gpu_hours(self) -> float:
+        if self._compute_start is None:
+            return self._compute_offset
+        return self._compute_offset + (time.perf_counter() - self._compute_start) / 3600 \
+            * self.num_devices
+
+    def take_groups(self, num_groups: int) -> list:
+        started = time.perf_counter()
+        groups = self._call(self.manager.take(num_groups))
+        self._wait_s = time.perf_counter() - started
+        return groups
+
+    def rewards_of(self, groups: Sequence):
+        """[prompts, G] rewards, NaN for samples whose verifier failed; counts the failures
+        and stops the run past algorithm.max_verifier_failure_fraction."""
+        import torch
+
+        from megatron_rl.rewards.failures import reward_values
+
+        group_size = self.cfg.rollout.samples_per_prompt
+        results = [r for g in groups for r in g.results]
+        self.verifier_failures.update(results, group_size)
+        return torch.tensor(reward_values(results), dtype=torch.float32).view(-1, group_size)
+
+    def rollout_metrics(self, groups: Sequence, rewards, keep) -> dict[str, float]:
+        from megatron_rl.rollout.staleness import staleness_histogram
+
+        samples = [s for g in groups for s in g.samples]
+        lengths = sorted(len(s.token_ids) for s in samples)
+        passed = [r.passed for g in groups for r in g.results if not r.verifier_failed]
+        versions = [v for s in samples for v in s.sampled_versions]
+        metrics = {
+            "rollout/reward_mean": float(rewards[~rewards.isnan()].mean()) if passed else math.nan,
+            "rollout/pass_rate": sum(passed) / len(passed) if passed else math.nan,
+            "rollout/response_length_mean": sum(lengths) / len(lengths),
+            "rollout/response_length_p99": float(lengths[min(len(lengths) - 1,
+                                                             int(0.99 * len(lengths)))]),
+            "rollout/truncation_rate": sum(s.truncated for s in samples) / len(samples),
+            "rollout/interruption_rate": sum(s.interrupted for s in samples) / len(samples),
+            "rollout/zero_variance_fraction": 1.0 - float(keep.float().mean()),
+            "rollout/npr_retired_prompts": float(self.sampler.num_retired),
+            "perf/trainer_wait_seconds": self._wait_s,
+        }
+        if versions:
+            metrics |= staleness_histogram(
+                versions, trainer_version=self.version,
+                max_off_policyness=self.cfg.rollout.max_off_policyness).to_scalars()
+        metrics |= self.gate.to_scalars()
+        metrics |= self.verifier_failures.metrics()
+        return metrics
+
+    def train_step(self, batch) -> dict[str, float]:
+        started = time.perf_counter()
+        step = self.trainers.train_step(batch)
+        seconds = time.perf_counter() - started
+        return {"train/loss": step.loss, "train/grad_norm": step.grad_norm,
+                "train/entropy": step.entropy, "train/is_clip_fraction": step.clip_fraction,
+                "train/mean_ratio": step.mean_ratio,
+                "train/logp_mismatch_mean": step.logp_mismatch,
+                "train/learning_rate": step.learning_rate, "train/skipped": float(step.skipped),
+                "perf/train_seconds": seconds,
+                "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)}
+
+    def push_weights(self) -> dict[str, float]:
+        """Sync the new weights into the generators in flight and publish the version."""
+        report = self.trainers.sync_weights()
+        self.version = report.version
+        self.step += 1
+        self._call(self._async(lambda: self.manager.publish_version(self.version)))
+        return report.metrics()
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if step % self.cfg.logging.log_interval == 0:
+            for tag, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        self._progress.set_postfix(reward=f"{metrics.get('rollout/reward_mean', math.nan):.2f}",
+                                   version=self.version)
+
+    def validate(self, step: int) -> None:
+        """mean@k per task on the held-out prompts with the current weights -> scaling log."""
+        from megatron_rl.validation import log_validation, score_samples, validation_metrics
+
+        k = self.cfg.eval.samples_per_prompt
+        completions = self._call(self._generate_heldout(k))
+        texts = [[self.tokenizer.decode(s.token_ids) for s in group] for group in completions]
+        scored = score_samples(self.registry, self.heldout_records, texts)
+        metrics = validation_metrics(scored, samples_per_prompt=k)
+        log_validation(self.scaling_log, step, self.compute_gpu_hours, metrics,
+                       tb_writer=self.writer)
+
+    async def _generate_heldout(self, k: int) -> list:
+        import random
+
+        from megatron_rl.rollout import SamplingParams
+        from megatron_rl.rollout.interruption import generate_completion
+
+        params = SamplingParams(max_new_tokens=1, temperature=self.cfg.rollout.temperature,
+                                seed=self.cfg.seed, purpose="eval")
+
+        async def one(index: int, prompt: Sequence[int], sample: int):
+            client = self.clients[index % len(self.clients)]
+
+            def generate_one(ids, max_new_tokens):
+                return client.generate_one(ids, max_new_tokens, params,
+                                           extra_key=f"v{self.version}")
+            return await generate_completion(
+                generate_one, prompt, settings=self.interruption,
+                rng=random.Random(f"eval/{index}/{sample}"), group_id=index, sample_index=sample)
+
+        groups = [[one(i, prompt, j) for j in range(k)]
+                  for i, prompt in enumerate(self.heldout_prompt_ids)]
+        flat = await asyncio.gather(*(c for group in groups for c in group))
+        return [flat[i * k:(i + 1) * k] for i in range(len(groups))]
+
+    def save_checkpoint(self, step: int) -> None:
+        from megatron_rl.trainer import checkpoint_name, prune_checkpoints
+
+        directory = Path(self.cfg.checkpoint_dir).resolve() / checkpoint_name(step)
+        self.trainers.save_checkpoint(str(directory), {
+            "step": step, "version": self.version, "npr": self.sampler.state_dict(),
+            "gate": self.gate.state_dict(), "compute_gpu_hours": self.compute_gpu_hours,
+            "verifier_failures": self.verifier_failures.state_dict()})
+        prune_checkpoints(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
+
+    def finish(self) -> None:
+        """After the last step: the fit of the run's own curve, when it has enough points."""
+        self._progress.close()
