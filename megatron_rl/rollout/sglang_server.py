@@ -12,6 +12,11 @@ for /health with a timeout, failing early with the server's log tail if the proc
 that cannot have reached the server (connection refused) are retried with exponential backoff;
 errors carry the server's own message; a server whose process exited or that no longer answers is
 reported as GeneratorDeadError instead of being waited on.
+
+For in-flight weight updates (Pipeline-RL, docs/generators.md) the server runs without SGLang's
+overlap schedule (exact per-token versions), `generate` takes an `extra_key` that namespaces the
+prefix cache (the admission version), bucket updates carry no version and `set_weight_version`
+labels a completed update without aborting requests.
 """
 from __future__ import annotations
 
@@ -55,6 +60,13 @@ class SGLangServerSettings:
     context_length: int | None = None
     random_seed: int = 0
     sleep_on_idle: bool = True  # the idle scheduler blocks instead of spinning a core at 100%
+    # Exact per-token policy versions across in-flight weight updates (Pipeline-RL). SGLang's
+    # overlap schedule launches decode step t+1 before it has recorded step t; the step already
+    # launched when an update pauses the engine is recorded after the version change, so its
+    # token is labelled with the new version though the old weights produced it. Without the
+    # overlap schedule every label is exact (docs/generators.md, hazard 1). Set False only for
+    # servers whose labels do not matter (evaluation).
+    disable_overlap_schedule: bool = True
     # gc.freeze() the start-up objects once healthy: later collections (SGLang runs one at every
     # cache flush on CPU: ~0.4 s with a tiny model's heap) walk only newer objects (~5 ms).
     freeze_gc: bool = True
@@ -100,6 +112,8 @@ class SGLangServerSettings:
             args.append("--enable-fp32-lm-head")
         if self.sleep_on_idle:
             args.append("--sleep-on-idle")
+        if self.disable_overlap_schedule:
+            args.append("--disable-overlap-schedule")
         attention_backend = self.attention_backend or ("torch_native" if device == "cpu" else None)
         if attention_backend is not None:
             args += ["--attention-backend", attention_backend]
@@ -303,6 +317,9 @@ class SGLangGenerator(Generator):
         raise AssertionError("unreachable")
 
     def _raise_if_exited(self) -> None:
+        if self.failure is not None:
+            raise GeneratorDeadError(f"SGLang server {self.url} was failed by the weight sync and "
+                                     f"must be restarted: {self.failure}")
         if self.server is not None:
             error = self.server.exit_error()
             if error is not None:
@@ -318,10 +335,11 @@ class SGLangGenerator(Generator):
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams) -> list[GenerationResult]:
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 extra_key: str | None = None) -> list[GenerationResult]:
         if not prompts:
             return []
+        _check_extra_key(extra_key)
         items = [(p, k) for p in range(len(prompts)) for k in range(params.num_samples)]
         sampling = []
         for p, k in items:
@@ -331,6 +349,8 @@ class SGLangGenerator(Generator):
             sampling.append(item)
         payload = {"input_ids": [list(map(int, prompts[p])) for p, _ in items],
                    "sampling_params": sampling, "return_logprob": True}
+        if extra_key is not None:
+            payload["extra_key"] = extra_key  # one prefix-cache namespace for the whole batch
         outputs = self._request("POST", "/generate", payload)
         if not isinstance(outputs, list) or len(outputs) != len(items):
             raise GeneratorError(f"SGLang server {self.url}: /generate returned "
@@ -339,6 +359,8 @@ class SGLangGenerator(Generator):
                 for (p, k), out in zip(items, outputs)]
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        # logprob_start_len 0 caps SGLang's prefix match at 0 tokens (schedule_batch.py,
+        # init_next_round_input): a scored sequence never reuses cached KV of older weights.
         if any(len(seq) < 2 for seq in sequences):
             raise ValueError("score needs sequences of at least 2 tokens")
         payload = {"input_ids": [list(map(int, seq)) for seq in sequences],
@@ -403,17 +425,22 @@ class SGLangGenerator(Generator):
         self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
 
     def update_weights_from_distributed(self, tensors: Sequence[TensorSpec], *, group_name: str,
-                                        version: int, flush_cache: bool = True) -> None:
-        self._post_checked("/update_weights_from_distributed", {
+                                        version: int | None = None,
+                                        flush_cache: bool = True) -> None:
+        payload = {
             "names": [t.name for t in tensors], "dtypes": [t.dtype_name for t in tensors],
             "shapes": [list(t.shape) for t in tensors], "group_name": group_name,
-            "flush_cache": flush_cache, "weight_version": str(version),
+            "flush_cache": flush_cache,
             # One broadcast of the bucket's bytes instead of one per tensor.
-            "load_format": "flattened_bucket"}, retry=False)
-        self._weight_version = version
+            "load_format": "flattened_bucket"}
+        self._post_checked("/update_weights_from_distributed",
+                           _with_version(payload, version), retry=False)
+        if version is not None:
+            self._weight_version = version
 
     def update_weights_from_tensors(self, named_tensors: Sequence[tuple[str, torch.Tensor]], *,
-                                    version: int, flush_cache: bool = True) -> None:
+                                    version: int | None = None,
+                                    flush_cache: bool = True) -> None:
         from sglang.srt.utils import MultiprocessingSerializer
 
         if not torch.cuda.is_available():
@@ -421,10 +448,11 @@ class SGLangGenerator(Generator):
             torch.multiprocessing.set_sharing_strategy("file_system")
         serialized = MultiprocessingSerializer.serialize(list(named_tensors))
         encoded = base64.b64encode(serialized).decode("ascii")
-        self._post_checked("/update_weights_from_tensor", {
+        self._post_checked("/update_weights_from_tensor", _with_version({
             "serialized_named_tensors": [encoded] * self.num_ranks,
-            "flush_cache": flush_cache, "weight_version": str(version)}, retry=False)
-        self._weight_version = version
+            "flush_cache": flush_cache}, version), retry=False)
+        if version is not None:
+            self._weight_version = version
 
     def update_weights_from_disk(self, model_path: str, *, version: int) -> None:
         self._post_checked("/update_weights_from_disk", {
@@ -432,8 +460,25 @@ class SGLangGenerator(Generator):
         self._weight_version = version
 
     def set_weight_version(self, version: int) -> None:
-        """Record a version reached by a completed update (the server holds it since the update)."""
+        """Label the served weights `version` (/update_weight_version). SGLang records the change
+        for every live request at its current output length, so tokens decoded from here on
+        carry the new version. Its default aborts every request first: never here."""
+        self._post_checked("/update_weight_version", {"new_version": str(version),
+                                                      "abort_all_requests": False})
         self._weight_version = version
+
+
+def _with_version(payload: dict, version: int | None) -> dict:
+    """A weight-update payload; `weight_version` only when the call itself completes an update
+    (a bucket of an in-flight update carries none: SGLang relabels on every loaded bucket)."""
+    return payload if version is None else {**payload, "weight_version": str(version)}
+
+
+def _check_extra_key(extra_key) -> None:
+    # SGLang treats "" as no key (io_struct._normalize_extra_key): refuse it rather than
+    # silently share the default namespace.
+    if extra_key is not None and (not isinstance(extra_key, str) or not extra_key):
+        raise ValueError(f"extra_key must be a non-empty string or None, got {extra_key!r}")
 
 
 def _server_message(response) -> str:

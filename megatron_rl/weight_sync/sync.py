@@ -11,20 +11,29 @@ straight into the bucket's bytes; a background thread moves each full bucket (tr
 the sender gathers and converts the next one into a second buffer. Buckets, scratch memory and
 the weight-update group are reused from sync to sync.
 
-The global rank 0 wraps the update: pause in place (Pipeline-RL: running requests keep their KV
-cache), begin_weight_update, ..., end_weight_update, flush the prefix cache, continue. The policy
-version increases by one per successful sync.
+The global rank 0 wraps the update in SGLang's in-flight protocol (`_UpdateControl`), in this
+order: health check -> pause (in place by default: running requests keep their KV cache) ->
+begin_weight_update (its reply waits for the decode step in progress: the pause is acknowledged)
+-> the buckets (flush_cache false, no weight_version: a bucket that failed must not relabel
+anything) -> set_weight_version (/update_weight_version without aborting requests) ->
+end_weight_update -> the prefix-cache flush (required after retract and abort; in place only on
+a generator where nothing runs) -> continue. The policy version increases by one per successful
+sync.
 
 Failure handling: before any transfer, senders check their generators' health and all ranks
-agree (all-reduce) whether to go on. A sender whose transfer fails stops sending but keeps
-receiving its stage's shards (the holders are sending them), and at the end the whole world
-agrees. A failed sync raises `WeightSyncError` on every rank with the sender's message, leaves
-the trainer's weights and process groups untouched, does not advance the version, and drops the
-weight-update group (the next sync rebuilds it).
+agree (all-reduce) whether to go on; a failure there continues the generators on their old
+weights (nothing was loaded). A sender whose transfer fails stops sending but keeps receiving its
+stage's shards (the holders are sending them), and at the end the whole world agrees. Once a
+bucket has reached the generators they are never continued on a partial load: they stay paused
+while the whole update is retried (`update_attempts`, each over a rebuilt weight-update group);
+if every attempt fails they are marked failed (`Generator.mark_failed`) and stay paused. A failed
+sync raises `WeightSyncError` on every rank naming what failed, leaves the trainer's weights and
+process groups untouched and does not advance the version.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import threading
@@ -35,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.generator import Generator
+from megatron_rl.rollout.types import GeneratorDeadError, GeneratorError
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.gather import Arena, StageGatherer, WeightSyncGroups
 from megatron_rl.weight_sync.plan import PlannedBucket, plan_buckets
@@ -59,6 +69,9 @@ class WeightSyncSettings:
     backend: str | None = None  # None: nccl with CUDA, else gloo
     pause_mode: str | None = "in_place"  # None: do not pause (updates wait for running requests)
     timeout_s: float = 600.0
+    # Attempts at loading one version while the generators stay paused; after the last failed
+    # attempt they hold a partial load and are failed (never continued on it).
+    update_attempts: int = 3
     disk_dir: str | None = None  # disk transport: where the HF folder is written
     hf_config_dir: str | None = None  # disk transport: config.json and tokenizer to copy
 
@@ -71,6 +84,9 @@ class WeightSyncSettings:
                              f"{PAUSE_MODES}")
         if self.bucket_bytes < 1:
             raise ValueError(f"weight_sync.bucket_bytes must be >= 1, got {self.bucket_bytes}")
+        if self.update_attempts < 1:
+            raise ValueError(f"weight_sync.update_attempts must be >= 1, got "
+                             f"{self.update_attempts}")
         if self.transport == "disk" and (self.disk_dir is None or self.hf_config_dir is None):
             raise ValueError("weight_sync.transport='disk' needs disk_dir (where to write) and "
                              "hf_config_dir (the HF folder whose config.json to copy)")
@@ -104,8 +120,12 @@ class SyncReport:
     convert_s: float  # HF names and layouts, dtype cast, packing
     transfer_s: float  # moving bucket bytes (overlaps the next bucket's gather and convert)
     load_s: float  # waiting for the generators to load after the bytes arrived
-    control_s: float = 0.0  # health checks, pause / begin / end / flush / continue calls
-    cache_flushed: bool = True  # coordinator: every generator's prefix cache was dropped
+    control_s: float = 0.0  # health checks, pause / begin / version / end / flush / continue
+    # Coordinator: every generator's prefix cache was dropped. Pause modes retract and abort
+    # always flush; in place, requests keep their KV and the flush happens only on a generator
+    # with nothing running (SGLang refuses it otherwise): versions are kept apart by extra_key.
+    cache_flushed: bool = True
+    attempts: int = 1  # loading attempts this version took (> 1: earlier ones failed)
 
     @property
     def bytes_per_s(self) -> float:
@@ -120,7 +140,7 @@ class SyncReport:
             ("buckets", self.num_buckets), ("gather_s", self.gather_s),
             ("convert_s", self.convert_s), ("transfer_s", self.transfer_s),
             ("load_s", self.load_s), ("control_s", self.control_s),
-            ("cache_flushed", self.cache_flushed))}
+            ("cache_flushed", self.cache_flushed), ("attempts", self.attempts))}
 
 
 class WeightSync:
@@ -205,50 +225,114 @@ class WeightSync:
         """Push the current weights; every trainer rank calls it. Returns this rank's report."""
         start = time.perf_counter()
         version = self.version + 1
-        began = False
-        error = None
         counts = _Counts()
-        if self.groups.is_sender or self._is_coordinator:
+        session = not isinstance(self.transport, DiskTransport)  # disk: one atomic reload
+        control = _UpdateControl(self.generators, self.settings.pause_mode, session=session,
+                                 attempts=self.settings.update_attempts) \
+            if self._is_coordinator else None
+        # 1. Health, pause, begin. Nothing is loaded yet: a failure continues the generators.
+        error = None
+        if self.groups.is_sender or control is not None:
             tick = time.perf_counter()
             try:
                 for generator in self.generators:
                     generator.check_health()
-                if self._is_coordinator:
-                    began = self._begin()
-                if self.groups.is_sender:
-                    self.transport.connect()
+                if control is not None:
+                    control.open()
             except Exception as exc:  # noqa: BLE001 (agreed on below, re-raised everywhere)
                 error = exc
             counts.control_s += time.perf_counter() - tick
-        self._agree(error, dist.group.WORLD, "before sending", cleanup=began)
+        self._agree(error, "before sending",
+                    outcome=f"generators stay at version {self.version}",
+                    cleanup=control.abandon if control is not None else None)
+        # 2. The buckets, retried while the generators stay paused.
         self.transport.times.transfer = self.transport.times.load = 0.0
-        error = self._send_stage(version, counts)
-        self._agree(error, dist.group.WORLD, "while sending", cleanup=began)
-        error = None
-        if self.groups.is_sender:
-            try:
-                self.transport.finish(version=version)
-            except Exception as exc:  # noqa: BLE001
-                error = exc
-        self._agree(error, dist.group.WORLD, "finishing", cleanup=began)
-        error, flushed = None, True
-        if self._is_coordinator:
+        failures, dead = self._load(version, counts)
+        if failures:
+            partial = session and self._any(counts.num_attempted > 0)
+            if not partial:
+                self._agree(failures, "while sending",
+                            outcome=f"nothing reached the generators; they stay at version "
+                                    f"{self.version}",
+                            cleanup=control.abandon if control is not None else None)
+            names = ", ".join(_name(g) for g in self.generators)
+            reason = (f"weight sync to version {version} failed after it had started loading "
+                      f"({'; '.join(failures)})")
+            self._agree(failures, "while sending", outcome=(
+                f"{'a generator is dead; ' if dead else ''}the generators ({names}) may hold a "
+                f"partially loaded model: they stay paused, are marked failed and must be "
+                f"restarted"),
+                cleanup=functools.partial(control.fail, reason) if control is not None
+                else None)
+        # 3. Label the version, end, flush where needed, continue.
+        error, flushed, failed = None, True, []
+        if control is not None:
             tick = time.perf_counter()
             try:
-                if isinstance(self.transport, DiskTransport):
+                if not session:
                     self.transport.reload_generators(version=version)
-                flushed = self._end(began, version)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 (SGLang rolls a failed disk load back)
                 error = exc
             counts.control_s += time.perf_counter() - tick
-        self._agree(error, dist.group.WORLD, "ending the update", cleanup=False)
-        self.version = version
+        self._agree(error, "reloading from disk",
+                    outcome=f"generators stay at version {self.version}")
+        if control is not None:
+            tick = time.perf_counter()
+            flushed, failed = control.close(version)
+            counts.control_s += time.perf_counter() - tick
+        self.version = version  # every generator not failed below serves it
+        self._agree(GeneratorError("; ".join(failed)) if failed else None, "ending the update",
+                    version=version, outcome=(
+                        f"the generators named are marked failed and stay paused with version "
+                        f"{version}'s weights; the others serve version {version}"))
         times = self.transport.times
         return SyncReport(version=version, num_bytes=counts.num_bytes,
                           num_tensors=counts.num_tensors, num_buckets=counts.num_buckets,
                           seconds=time.perf_counter() - start, gather_s=counts.gather_s,
-                          convert_s=counts.convert_s, transfer_s=times.transfer,
-                          load_s=times.load, control_s=counts.control_s, cache_flushed=flushed)
+                          convert_s=counts.convert_s,
+                          transfer_s=counts.transfer_s + times.transfer,
+                          load_s=counts.load_s + times.load, control_s=counts.control_s,
+                          cache_flushed=flushed, attempts=counts.attempts)
+
+    def _load(self, version: int, counts: "_Counts") -> tuple[list[str], bool]:
+        """Send every stage's buckets, up to `update_attempts` times; each retry runs over a
+        rebuilt weight-update group (a failed one may hang). Returns the failure messages of
+        every attempt ([] on success) and whether a generator is dead (no further attempt)."""
+        failures: list[str] = []
+        for attempt in range(self.settings.update_attempts):
+            counts.attempts = attempt + 1
+            counts.num_bytes = counts.num_tensors = counts.num_buckets = 0
+            if attempt:
+                self._rebuild_transport(counts)
+            error = None
+            if self.groups.is_sender:
+                try:
+                    self.transport.connect()
+                except Exception as exc:  # noqa: BLE001 (agreed on below)
+                    error = exc
+            messages, dead = self._failures(error)
+            if not messages:
+                error = self._send_stage(counts)
+                if self.groups.is_sender and error is None:
+                    try:
+                        self.transport.finish(version=version)
+                    except Exception as exc:  # noqa: BLE001
+                        error = exc
+                messages, dead = self._failures(error)
+            if not messages:
+                return [], False
+            failures.append(f"attempt {attempt + 1}: {'; '.join(messages)}")
+            if dead:
+                break
+        return failures, dead
+
+    def _rebuild_transport(self, counts: "_Counts") -> None:
+        """Drop the weight-update group and make a new one (new port unless one is configured,
+        new group name); collective."""
+        counts.transfer_s += self.transport.times.transfer
+        counts.load_s += self.transport.times.load
+        self.transport.close()
+        self.transport = self._make_transport()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights as the generators receive them ({HF name: tensor}, the
@@ -265,43 +349,14 @@ class WeightSync:
             self.arena.reset()
         return state
 
-    def _begin(self) -> bool:
-        if isinstance(self.transport, DiskTransport):
-            return False  # update_weights_from_disk is not a session update
-        for generator in self.generators:
-            if self.settings.pause_mode is not None:
-                generator.pause(self.settings.pause_mode)
-            generator.begin_weight_update()
-        return True
-
-    def _end(self, began: bool, version: int) -> bool:
-        """Close the update and continue; True when every prefix cache was flushed."""
-        from megatron_rl.rollout.types import GeneratorError
-
-        flushed = True
-        for generator in self.generators:
-            if began:
-                generator.end_weight_update()
-            generator.set_weight_version(version)
-            # Cached prefixes hold KV of the old policy: drop them so new requests start clean.
-            # Requests paused in place keep their KV (Pipeline-RL), so the flush is refused
-            # while any runs; those entries then age out of the cache.
-            try:
-                generator.flush_cache()
-            except GeneratorError:
-                flushed = False
-            if began and self.settings.pause_mode is not None:
-                generator.resume()
-        return flushed
-
-    def _send_stage(self, version: int, counts: "_Counts") -> Exception | None:
+    def _send_stage(self, counts: "_Counts") -> Exception | None:
         """Gather, convert and send this stage's buckets; the sender's first send error. Ranks
         holding none of the shards the sender needs return at once."""
         sender = self.groups.is_sender
         names = (name for bucket in self.plan for name in bucket.megatron_names)
         if not self.plan or not self.gatherer.participates(names):
             return None
-        pipeline = _SendPipeline(self.transport, self._bucket_buffers(), version, counts) \
+        pipeline = _SendPipeline(self.transport, self._bucket_buffers(), counts) \
             if sender else None
         convert_error = None
         try:
@@ -353,32 +408,40 @@ class WeightSync:
                              for _ in range(min(2, len(self.plan)))]
         return self._buffers
 
-    def _agree(self, error, group, when: str, *, cleanup: bool = False) -> None:
-        """All ranks learn whether any rank failed; every rank raises the same WeightSyncError."""
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    def _failures(self, error) -> tuple[list[str], bool]:
+        """Every rank's error message ([] when no rank failed) and whether any was a dead
+        generator; collective over the world."""
+        code = 0 if error is None else 2 if isinstance(error, GeneratorDeadError) else 1
+        flag = torch.tensor([code], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not int(flag):
+            return [], False
+        message = None if error is None else _describe(error)
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+        return [m for m in messages if m], int(flag) == 2
+
+    @staticmethod
+    def _any(value: bool) -> bool:
+        flag = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(int(flag))
+
+    def _agree(self, error, when: str, *, outcome: str, cleanup=None,
+               version: int | None = None) -> None:
+        """All ranks learn whether any rank failed (`error`: an exception, a list of messages
+        already agreed on by every rank, or None); then every rank raises the same
+        WeightSyncError, after the coordinator ran `cleanup`."""
+        messages = error if isinstance(error, list) else self._failures(error)[0]
+        if not messages:
             return
-        message = None if error is None else f"{type(error).__name__}: {error}"
-        messages = [None] * dist.get_world_size(group)
-        dist.all_gather_object(messages, message, group=group)
-        if cleanup and self._is_coordinator:
-            self._abandon()
+        if cleanup is not None:
+            cleanup()
         # The broken group may hang on its next use: drop it (the next sync rebuilds it).
         self.transport.close()
-        reasons = "; ".join(m for m in messages if m)
-        raise WeightSyncError(f"weight sync to version {self.version + 1} failed {when}: "
-                              f"{reasons}. The trainer is unaffected; generators stay at version "
-                              f"{self.version}.")
-
-    def _abandon(self) -> None:
-        """Best effort after a failure: close the generators' update session and unpause."""
-        for generator in self.generators:
-            for call in (generator.end_weight_update, generator.resume):
-                try:
-                    call()
-                except Exception:  # noqa: BLE001 (a dead generator cannot answer)
-                    pass
+        raise WeightSyncError(f"weight sync to version {version or self.version + 1} failed "
+                              f"{when}: {'; '.join(messages)}. The trainer is unaffected; "
+                              f"{outcome}.")
 
     def close(self) -> None:
         self.transport.close()
@@ -389,8 +452,12 @@ class _Counts:
     num_bytes: int = 0
     num_tensors: int = 0
     num_buckets: int = 0
+    num_attempted: int = 0  # buckets handed to the transport, over all attempts
+    attempts: int = 1
     gather_s: float = 0.0
     convert_s: float = 0.0
+    transfer_s: float = 0.0  # of transports dropped after a failed attempt
+    load_s: float = 0.0
     control_s: float = 0.0
 
 
@@ -399,10 +466,8 @@ class _SendPipeline:
     back, while the caller fills the next one. The first send error stops further sends (the
     caller keeps draining its gathers) and is returned by `close`."""
 
-    def __init__(self, transport: Transport, buffers: list[torch.Tensor], version: int,
-                 counts: _Counts):
+    def __init__(self, transport: Transport, buffers: list[torch.Tensor], counts: _Counts):
         self.transport = transport
-        self.version = version
         self.counts = counts
         self.error: Exception | None = None
         self._free: queue.Queue = queue.Queue()
@@ -431,11 +496,136 @@ class _SendPipeline:
             buffer, bucket = item
             if self.error is None:
                 try:
+                    self.counts.num_attempted += 1
+                    # No version on a bucket: SGLang relabels the scheduler with every bucket
+                    # that loads, so a sync failing later would leave tokens mislabelled; the
+                    # coordinator labels the version once every stage has loaded. No flush:
+                    # requests paused in place keep their KV, and SGLang fails a bucket whose
+                    # flush it has to refuse.
                     self.transport.send(Bucket(specs=bucket.specs,
                                                data=buffer[:bucket.num_bytes]),
-                                        version=self.version, flush_cache=False)
+                                        version=None, flush_cache=False)
                     self.counts.num_bytes += bucket.num_bytes
                     self.counts.num_buckets += 1
                 except Exception as exc:  # noqa: BLE001 (returned to the caller)
                     self.error = exc
             self._free.put(buffer)
+
+
+class _UpdateControl:
+    """Global rank 0's side of one update, on every generator (the module docstring's order).
+
+    `open`: pause (the pause mode; None: not paused) and begin_weight_update, whose reply waits
+    for the decode step in progress, so it also acknowledges the pause. `close(version)`: label
+    the version (no request aborted), end_weight_update, flush the prefix cache where the pause
+    mode needs it (below), continue. `abandon`: nothing was loaded, so end and continue. `fail`:
+    a bucket may have loaded, so never continue: end the session (a later full update can then
+    begin) and mark the generators failed; they stay paused.
+
+    Prefix cache per pause mode (SGLang 0.5.23): in place, paused requests keep their KV and
+    SGLang refuses a flush while any is running; requests namespace the cache by their
+    admission version (`extra_key`), so none starts from another version's KV, and the cache
+    is flushed only where nothing is running (then un-namespaced requests start clean too).
+    retract frees the running requests' KV but leaves their prompts' KV in the radix tree
+    (release_kv_cache), so the re-prefill after continue would reuse KV of the old weights:
+    the flush is required (requests are queued then, so SGLang accepts it). abort ends the
+    requests, whose KV stays in the tree for resubmissions to hit: the flush is required too.
+    """
+
+    _MUST_FLUSH = ("retract", "abort")
+
+    def __init__(self, generators: Sequence[Generator], pause_mode: str | None, *,
+                 session: bool, attempts: int):
+        self.generators = list(generators)
+        self.pause_mode = pause_mode
+        self.session = session  # False (disk): one atomic reload, no pause, no session
+        self.attempts = attempts
+        self.paused: list[Generator] = []
+        self.begun: list[Generator] = []
+
+    def open(self) -> None:
+        if not self.session:
+            return
+        for generator in self.generators:
+            if self.pause_mode is not None:
+                generator.pause(self.pause_mode)
+                self.paused.append(generator)
+            generator.begin_weight_update()
+            self.begun.append(generator)
+
+    def close(self, version: int) -> tuple[bool, list[str]]:
+        """Finish the update on every generator; (every prefix cache flushed, failures). A
+        generator whose steps still fail after `attempts` tries is failed and left paused."""
+        flushed, failed = True, []
+        must_flush = self.session and self.pause_mode in self._MUST_FLUSH
+        for generator in self.generators:
+            try:
+                _retry(functools.partial(generator.set_weight_version, version), self.attempts)
+                if generator in self.begun:
+                    _retry(generator.end_weight_update, self.attempts)
+                if must_flush:
+                    _retry(generator.flush_cache, self.attempts)
+                else:
+                    flushed &= _flush_if_idle(generator)
+                if generator in self.paused:
+                    _retry(generator.resume, self.attempts)
+            except Exception as exc:  # noqa: BLE001 (the generator is failed, named)
+                message = (f"generator {_name(generator)} could not finish the update to "
+                           f"version {version}: {_describe(exc)}")
+                generator.mark_failed(message)
+                failed.append(message)
+        return flushed, failed
+
+    def abandon(self) -> None:
+        """Nothing reached the generators: close their sessions and continue (best effort)."""
+        for generator in self.begun:
+            _best_effort(generator.end_weight_update)
+        for generator in self.paused:
+            _best_effort(generator.resume)
+
+    def fail(self, reason: str) -> None:
+        """A partial load: never continue. The generators stay paused and refuse later calls."""
+        for generator in self.begun:
+            _best_effort(generator.end_weight_update)
+        for generator in self.generators:
+            generator.mark_failed(reason)
+
+
+def _flush_if_idle(generator: Generator) -> bool:
+    """Drop the prefix cache if nothing runs; SGLang checks that atomically in its scheduler
+    (`is_fully_idle`) and otherwise refuses, changing nothing."""
+    try:
+        generator.flush_cache()
+        return True
+    except GeneratorDeadError:
+        raise
+    except GeneratorError:
+        return False
+
+
+def _retry(call, attempts: int):
+    """`call()`, tried up to `attempts` times; a dead generator is not retried."""
+    for attempt in range(attempts):
+        try:
+            return call()
+        except GeneratorDeadError:
+            raise
+        except Exception:  # noqa: BLE001 (re-raised after the last attempt)
+            if attempt + 1 == attempts:
+                raise
+            time.sleep(0.1 * 2 ** attempt)
+
+
+def _best_effort(call) -> None:
+    try:
+        call()
+    except Exception:  # noqa: BLE001 (a dead or failed generator cannot answer)
+        pass
+
+
+def _name(generator: Generator) -> str:
+    return getattr(generator, "url", None) or type(generator).__name__
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
