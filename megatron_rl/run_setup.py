@@ -343,5 +343,6 @@ class RunSetup:
         prune_checkpoints(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
 
     def finish(self) -> None:
-        """After the last step: the fit of the run's own curve, when it has enough points."""
+        """After the last step: close the progress bar (fit the run's curve with
+        `megatron-rl fit output_dir`)."""
         self._progress.close()

@@ -197,10 +197,10 @@ def _fit(out: Path, warmup_gpu_hours: float) -> int:
     succeeds (its outputs are whole)."""
     from megatron_rl.scaling.cli import main as fit_main
     from megatron_rl.scaling.log import read_scaling_log
-    from megatron_rl.scaling.sigmoid import SigmoidFitConfig
+    from megatron_rl.scaling.sigmoid import SigmoidFitConfig, fit_point_mask
 
     series = read_scaling_log(out)["all"]
-    usable = sum(1 for c in series.compute_gpu_hours if c > 0 and c >= warmup_gpu_hours)
+    usable = int(fit_point_mask(series.compute_gpu_hours, warmup_gpu_hours).sum())
     needed = SigmoidFitConfig().min_points
     if usable < needed:
         print(f"no curve fit: {usable} validation point(s) past compute 0 and the warm-up "

@@ -111,6 +111,13 @@ def sigmoid_curve(compute: np.ndarray | float, *, a: float, b: float, c_mid: flo
     return r0 + (a - r0) * expit(b * (log_c - np.log(c_mid)))
 
 
+def fit_point_mask(compute: np.ndarray, warmup_compute: float) -> np.ndarray:
+    """Bool mask of the points a fit uses: C = 0 is the R0 point itself (the model passes through
+    it exactly, it carries no information) and points before the warm-up compute are excluded."""
+    compute = np.asarray(compute, dtype=np.float64)
+    return (compute > 0.0) & (compute >= warmup_compute)
+
+
 def fit_sigmoid(compute: np.ndarray, pass_rate: np.ndarray, *, r0: float,
                 config: SigmoidFitConfig = SigmoidFitConfig(),
                 fixed_a: float | None = None) -> SigmoidFit:
@@ -122,8 +129,7 @@ def fit_sigmoid(compute: np.ndarray, pass_rate: np.ndarray, *, r0: float,
         raise ValueError(f"r0={r0} must be in [0, 1)")
     if fixed_a is not None and not r0 < fixed_a <= 1.0:
         raise ValueError(f"fixed_a={fixed_a} must be in (r0={r0}, 1]")
-    # C = 0 is the R0 point itself: the model passes through it exactly, it carries no information.
-    keep = (compute > 0.0) & (compute >= config.warmup_compute)
+    keep = fit_point_mask(compute, config.warmup_compute)
     num_warmup_excluded = int(np.sum((compute > 0.0) & ~keep))
     x, y = np.log(compute[keep]), pass_rate[keep]
     if x.size < config.min_points:
