@@ -1,5 +1,6 @@
 """Asynchronous vs synchronous RL: wall time of the loop of `megatron-rl train` for the same number
-of optimizer steps under four schedules, measured in the same run.
+of optimizer steps under several schedules and weight-update pause modes, measured in the same
+run.
 
 Setup: the tiny recipe (examples/configs/tiny_pipeline.yaml: one SGLang CPU generator, one
 Megatron trainer rank, Ray; 4 prompts x 4 samples per step) from a random tiny Llama written once
@@ -8,8 +9,11 @@ rollout.max_off_policyness k):
 
 - sync (k = 0): the baseline; the generators produce a step's groups, then wait while the trainer
   trains and pushes the weights;
-- pipeline k = 1 and k = 2: Pipeline-RL; generation runs up to k steps ahead of the trainer and
-  the weights are pushed in flight;
+- pipeline k = 1, 2 and 4: Pipeline-RL; generation runs up to k steps ahead of the trainer and
+  the weights are pushed in flight (weight_sync.pause_mode in_place: running requests keep their
+  KV cache and go on with the new weights);
+- pipeline k = 2 with pause_mode retract (running requests are requeued; their KV is recomputed
+  with the new weights) and abort (they end and are resubmitted from what they generated);
 - ppo_off_policy k = 2: 2 x prompts_per_step groups generated with one policy, then 2 steps.
 
 Every run uses algorithm.zero_variance_filter=false (the random model solves nothing: with the
@@ -36,6 +40,9 @@ Reading the table (medians over the repeats, spread = min-max):
 - mean lag: the trained tokens' staleness in steps (rollout/staleness/mean_lag averaged over the
   steps), 0 for sync; requeued: groups regenerated because they went staler than k (the run's
   total).
+- gen busy: the share of the loop's wall time in which the generator had requests in flight and
+  was not paused for a weight update (perf/generator_busy_fraction, weighted by step time); gen
+  tok/s: completion tokens returned per second of loop (perf/generation_tokens_per_s).
 - speed-up: the sync baseline's median loop seconds / this schedule's (> 1 = faster than sync),
   with the min-max of the per-repeat ratios (each repeat's sync run against its own run).
 
@@ -45,6 +52,7 @@ the schedules' scheduling overhead (and contention), not the speed-up Pipeline-R
 generators and trainers run on their own GPUs.
 
 Run: .venv/bin/python benchmarks/async_vs_sync.py [--steps 8] [--repeats 3] [--keep-dir]
+     [--only "sync (k=0)" --only "pipeline k=2" ...]
 """
 from __future__ import annotations
 
@@ -68,6 +76,11 @@ VARIANTS: list[tuple[str, list[str]]] = [
     ("sync (k=0)", ["rollout.mode=pipeline", "rollout.max_off_policyness=0"]),
     ("pipeline k=1", ["rollout.mode=pipeline", "rollout.max_off_policyness=1"]),
     ("pipeline k=2", ["rollout.mode=pipeline", "rollout.max_off_policyness=2"]),
+    ("pipeline k=4", ["rollout.mode=pipeline", "rollout.max_off_policyness=4"]),
+    ("k=2 retract", ["rollout.mode=pipeline", "rollout.max_off_policyness=2",
+                     "weight_sync.pause_mode=retract"]),
+    ("k=2 abort", ["rollout.mode=pipeline", "rollout.max_off_policyness=2",
+                   "weight_sync.pause_mode=abort"]),
     ("ppo_off_policy k=2", ["rollout.mode=ppo_off_policy", "rollout.max_off_policyness=2"]),
 ]
 COMMON = ["algorithm.zero_variance_filter=false", "eval.interval_steps=0",
@@ -134,11 +147,15 @@ def summarize(scalars: dict[str, dict[int, float]], steps: int) -> dict[str, flo
 
     step_s, wait_s = per_step("perf/step_seconds"), per_step("perf/trainer_wait_seconds")
     sync_s = per_step("weight_sync/seconds")
+    busy, tokens_per_s = per_step("perf/generator_busy_fraction"), \
+        per_step("perf/generation_tokens_per_s")
     lag = scalars.get("rollout/staleness/mean_lag", {})
     loop = sum(step_s)
     return dict(loop_s=loop, step_s=loop / steps, wait_share=sum(wait_s) / loop,
                 steady_s=sum(step_s[1:]) / (steps - 1) if steps > 1 else float("nan"),
                 sync_s=sum(sync_s) / steps, sync_share=sum(sync_s) / loop,
+                busy=sum(b * s for b, s in zip(busy, step_s)) / loop,
+                tokens_per_s=sum(t * s for t, s in zip(tokens_per_s, step_s)) / loop,
                 mean_lag=statistics.mean(lag.values()) if lag else float("nan"),
                 requeued=scalars.get("rollout/staleness/requeued", {}).get(steps, float("nan")),
                 skipped=sum(scalars.get("train/skipped", {}).values()))
@@ -155,19 +172,27 @@ def main() -> int:
                         "the table shows medians and min-max")
     parser.add_argument("--keep-dir", action="store_true", help="keep the temporary directory "
                         "(checkpoint, each run's output_dir with TensorBoard and generator logs)")
+    parser.add_argument("--only", action="append", default=[], metavar="SCHEDULE",
+                        help="run only these schedules (repeatable; the first listed is the "
+                        f"baseline); choose from: {', '.join(n for n, _ in VARIANTS)}")
     args = parser.parse_args()
     if args.steps < 1 or args.repeats < 1:
         parser.error("--steps and --repeats must be >= 1")
+    known = dict(VARIANTS)
+    unknown = [name for name in args.only if name not in known]
+    if unknown:
+        parser.error(f"--only {unknown}: unknown schedule(s); choose from {list(known)}")
+    variants = [(name, known[name]) for name in args.only] if args.only else VARIANTS
 
     print("command:", shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])))
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} "
           f"{load[2]:.2f}; {args.steps} steps per run, {args.repeats} repeat(s) of "
-          f"{len(VARIANTS)} schedules", flush=True)
+          f"{len(variants)} schedules", flush=True)
 
     tmp = Path(tempfile.mkdtemp(prefix="async_vs_sync-"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    results: dict[str, list[dict]] = {name: [] for name, _ in VARIANTS}
+    results: dict[str, list[dict]] = {name: [] for name, _ in variants}
     try:
         checkpoint = tmp / "tiny_llama_checkpoint"
         proc = subprocess.run([sys.executable, "tools/make_tiny_checkpoint.py", str(checkpoint)],
@@ -177,13 +202,13 @@ def main() -> int:
                   f"{tail(proc.stderr)}", file=sys.stderr)
             return 1
         example = train_command(str(checkpoint), str(tmp / "runs" / "NAME"), args.steps,
-                                VARIANTS[0][1])
+                                variants[0][1])
         print("each run:", shlex.join(example), "(with the schedule's rollout.* overrides)",
               flush=True)
-        total = args.repeats * len(VARIANTS)
+        total = args.repeats * len(variants)
         for repeat in range(args.repeats):
-            for index, (name, overrides) in enumerate(VARIANTS):
-                number = repeat * len(VARIANTS) + index + 1
+            for index, (name, overrides) in enumerate(variants):
+                number = repeat * len(variants) + index + 1
                 slug = name.split(" (")[0].replace(" ", "_").replace("=", "")
                 out = tmp / "runs" / f"r{repeat + 1}_{index}_{slug}"
                 cmd = train_command(str(checkpoint), str(out), args.steps, overrides)
@@ -198,7 +223,8 @@ def main() -> int:
                 results[name].append(row)
                 print(f"[{number}/{total}] {name:<18} loop {row['loop_s']:7.2f} s "
                       f"({row['step_s']:.2f} s/step, wait {row['wait_share']:.0%}, "
-                      f"sync {row['sync_s']:.2f} s/step)  whole process {wall:.0f} s"
+                      f"sync {row['sync_s']:.2f} s/step, gen busy {row['busy']:.0%})  "
+                      f"whole process {wall:.0f} s"
                       + (f"  WARNING: {row['skipped']:.0f} step(s) skipped"
                          if row["skipped"] else ""), flush=True)
     except KeyboardInterrupt:
@@ -226,12 +252,13 @@ def print_table(results: dict[str, list[dict]], steps: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    baseline = results[VARIANTS[0][0]]
+    baseline = next(iter(results.values()))
     base_median = _median(baseline, "loop_s")
     table = Table(title=f"loop of megatron-rl train, tiny recipe, {steps} steps: median "
                         f"(min-max) over {len(baseline)} run(s) each, same run")
     for column in ("schedule", "loop s", "s/step", "after step 1", "wait share", "sync s/step",
-                   "sync share", "mean lag", "requeued", "speed-up vs sync"):
+                   "sync share", "gen busy", "gen tok/s", "mean lag", "requeued",
+                   f"speed-up vs {next(iter(results))}"):
         table.add_column(column, justify="left" if column == "schedule" else "right")
     for name, rows in results.items():
         ratios = [b["loop_s"] / r["loop_s"] for b, r in zip(baseline, rows)]
@@ -244,6 +271,8 @@ def print_table(results: dict[str, list[dict]], steps: int) -> None:
             f"{_median(rows, 'wait_share'):.0%} ({_spread(rows, 'wait_share', '.0%')})",
             f"{_median(rows, 'sync_s'):.3f} ({_spread(rows, 'sync_s', '.3f')})",
             f"{_median(rows, 'sync_share'):.1%}",
+            f"{_median(rows, 'busy'):.2f} ({_spread(rows, 'busy', '.2f')})",
+            f"{_median(rows, 'tokens_per_s'):.0f}",
             f"{_median(rows, 'mean_lag'):.2f}",
             f"{_median(rows, 'requeued'):.0f}",
             f"{speed_up:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")

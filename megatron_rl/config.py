@@ -396,6 +396,10 @@ class RolloutConfig:
                                        "enable_fp32_lm_head; SCALERL.md section 6)")
     attention_backend: str | None = _field(None, "SGLang attention_backend (e.g. "
                                            "torch_native on CPU); null = SGLang's default")
+    disable_overlap_schedule: bool = _field(
+        True, "SGLang --disable-overlap-schedule: with the overlap schedule the token in flight "
+        "when an update pauses generation is labelled with the new version though the old "
+        "weights produced it; off only for generation without in-flight updates")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -455,6 +459,9 @@ class WeightSyncConfig:
         "KV cache (Pipeline-RL), retract requeues them, abort ends them, none does not pause")
     timeout_s: float = _field(600.0, "longest wait for the generators at any point of a sync",
                               gt=0.0)
+    update_attempts: int = _field(3, "tries of one update's loading (each over a rebuilt "
+                                  "weight-update group) while the generators stay paused; then "
+                                  "they are failed by name, never resumed half-loaded", ge=1)
     disk_dir: str | None = _field(None, "transport=disk: where the HF folder is written; null "
                                   "= <output_dir>/weight_sync")
 

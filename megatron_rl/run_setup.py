@@ -40,6 +40,7 @@ class RunSetup:
         self._stack = contextlib.ExitStack()
         self._compute_start: float | None = None
         self._compute_offset = 0.0
+        self._paused_busy_s = 0.0  # generator-seconds of in-flight requests held by pauses
 
     # ------------------------------------------------------------------ start / stop
 
@@ -211,6 +212,7 @@ class RunSetup:
         from tqdm import tqdm
 
         self._compute_start = time.perf_counter()
+        self._window = (self._compute_start, self._activity(), 0.0)
         self._progress = tqdm(steps, desc=self.cfg.name, unit="step",
                               disable=not self.cfg.logging.progress_bar)
         return self._progress
@@ -281,20 +283,51 @@ class RunSetup:
 
     def push_weights(self) -> dict[str, float]:
         """Sync the new weights into the generators in flight and publish the version."""
+        before = self._activity()
         report = self.trainers.sync_weights()
+        after = self._activity()
+        # Requests in flight while the generators were paused made no progress: that time is
+        # not busy (a generator with nothing in flight lost nothing to the pause).
+        self._paused_busy_s += sum(min(report.paused_s, (a - b).busy_s)
+                                   for a, b in zip(after, before))
         self.version = report.version
         self.step += 1
         self._call(self._async(lambda: self.manager.publish_version(self.version)))
         return report.metrics()
 
+    def _activity(self) -> list:
+        return [client.activity() for client in self.clients]
+
+    def _window_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Generator and trainer utilisation since the previous step's log."""
+        now, activity = time.perf_counter(), self._activity()
+        started, before, paused_busy = self._window
+        self._window = (now, activity, self._paused_busy_s)
+        wall = max(now - started, 1e-9)
+        busy = sum((a - b).busy_s for a, b in zip(activity, before)) \
+            - (self._paused_busy_s - paused_busy)
+        out = {"perf/generator_busy_fraction": max(busy, 0.0) / (wall * len(activity)),
+               "perf/generation_tokens_per_s":
+                   sum((a - b).tokens for a, b in zip(activity, before)) / wall}
+        step_s = metrics.get("perf/step_seconds")
+        if step_s:
+            out["perf/trainer_idle_fraction"] = metrics.get("perf/trainer_wait_seconds",
+                                                            0.0) / step_s
+            out["weight_sync/step_fraction"] = metrics.get("weight_sync/seconds", 0.0) / step_s
+        return out
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = metrics | self._window_metrics(metrics)
         if step % self.cfg.logging.log_interval == 0:
             for tag, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(tag, value, step)
             self.writer.flush()
-        self._progress.set_postfix(reward=f"{metrics.get('rollout/reward_mean', math.nan):.2f}",
-                                   version=self.version)
+        self._progress.set_postfix(
+            reward=f"{metrics.get('rollout/reward_mean', math.nan):.2f}",
+            gen_busy=f"{metrics['perf/generator_busy_fraction']:.2f}",
+            trainer_idle=f"{metrics.get('perf/trainer_idle_fraction', math.nan):.2f}",
+            version=self.version)
 
     def validate(self, step: int) -> None:
         """mean@k per task on the held-out prompts with the current weights -> scaling log."""

@@ -5,14 +5,33 @@ with a second request) and so needs many requests in flight from one event loop.
 Requests and responses are those of `SGLangGenerator.generate` (token ids in and out, per-token
 log-probs and policy versions); `extra_key` namespaces SGLang's prefix cache (the group's
 admission version: cached KV of other policy versions is never reused). Errors name the server.
+
+The client also keeps the generator's activity for the run's metrics (`activity()`): how long at
+least one request was in flight (the engine had work; a weight update's pause is subtracted by
+the caller, who knows it) and how many tokens came back.
 """
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 
 from megatron_rl.rollout.sglang_server import _generation_result
 from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, GeneratorError,
                                        SamplingParams)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GeneratorActivity:
+    """Cumulative counters of one generator client (differences of two give a window)."""
+
+    busy_s: float  # wall time with at least one request in flight
+    tokens: int  # completion tokens returned
+    requests: int  # requests answered
+
+    def __sub__(self, other: "GeneratorActivity") -> "GeneratorActivity":
+        return GeneratorActivity(self.busy_s - other.busy_s, self.tokens - other.tokens,
+                                 self.requests - other.requests)
 
 
 class AsyncSGLangClient:
@@ -22,6 +41,29 @@ class AsyncSGLangClient:
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
         self._session = None
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self._busy_s = 0.0
+        self._tokens = 0
+        self._requests = 0
+
+    def activity(self) -> GeneratorActivity:
+        """The counters now (safe to call from another thread: a torn read is off by one
+        request's bookkeeping at most)."""
+        busy = self._busy_s
+        if self._in_flight:
+            busy += time.perf_counter() - self._busy_since
+        return GeneratorActivity(busy, self._tokens, self._requests)
+
+    def _request_started(self) -> None:
+        if self._in_flight == 0:
+            self._busy_since = time.perf_counter()
+        self._in_flight += 1
+
+    def _request_ended(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._busy_s += time.perf_counter() - self._busy_since
 
     async def __aenter__(self) -> "AsyncSGLangClient":
         return self
@@ -47,14 +89,24 @@ class AsyncSGLangClient:
                            extra_key: str | None = None) -> GenerationResult:
         """One completion of `input_ids` of at most `max_new_tokens` tokens, sampled with
         `params` (its max_new_tokens and num_samples are not used; seed is)."""
-        import aiohttp
-
         sampling = params.to_sglang()
         sampling["max_new_tokens"] = int(max_new_tokens)
         payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling,
                    "return_logprob": True}
         if extra_key is not None:
             payload["extra_key"] = extra_key
+        self._request_started()
+        try:
+            result = await self._post_generate(payload, input_ids)
+        finally:
+            self._request_ended()
+        self._tokens += len(result.token_ids)
+        self._requests += 1
+        return result
+
+    async def _post_generate(self, payload: dict, input_ids: Sequence[int]) -> GenerationResult:
+        import aiohttp
+
         try:
             async with self._client().post(f"{self.url}/generate", json=payload) as response:
                 if response.status >= 400:

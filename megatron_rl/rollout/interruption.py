@@ -3,7 +3,7 @@ completion as a small state machine over generation requests to the same server.
 
 1. Draw the thinking budget B uniformly in [thinking_budget_min, thinking_budget] and generate
    up to B tokens.
-2. Finished (stop or abort): done.
+2. Finished (stop): done.
 3. Cut by length after the model closed its thinking itself (the end-of-thinking tokens appear):
    continue the answer with a second request for what is left of the solution budget.
 4. Cut by length inside the thinking part: append the interruption phrase (tokenized once, never
@@ -12,6 +12,12 @@ completion as a small state machine over generation requests to the same server.
 
 Continuations send the token ids the server produced, so nothing is re-tokenized, and carry the
 same `extra_key` (the group's admission version) so that the prefix cache serves their prompt.
+
+A request that comes back aborted (`weight_sync.pause_mode: abort` ends running requests for a
+weight update) is resubmitted from prompt + everything generated so far, for what is left of its
+budget: its tokens keep the versions and log-probs of the policy that produced them, and the
+resubmission waits inside SGLang until generation continues. A completion is never cut short by
+an update. Aborts that make no progress `MAX_IDLE_ABORTS` times in a row are an error.
 Without forced interruption a completion is one request of thinking_budget + solution_budget
 tokens. The generation call is injected (`GenerateOne`), so this runs over the SGLang client in
 the rollout manager and over a scripted stand-in in unit tests.
@@ -24,10 +30,12 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from megatron_rl.algorithms.length_control import sample_thinking_budget
 from megatron_rl.rollout.samples import RolloutSample, Segment, assemble_sample
-from megatron_rl.rollout.types import GenerationResult
+from megatron_rl.rollout.types import GenerationResult, GeneratorError
 
 # (input token ids, max new tokens) -> one completion of them.
 GenerateOne = Callable[[Sequence[int], int], Awaitable[GenerationResult]]
+# Consecutive aborted requests that returned no token before a completion is given up.
+MAX_IDLE_ABORTS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,34 +96,54 @@ def _sampled(result: GenerationResult) -> Segment:
                    versions=result.versions)
 
 
+async def _generate(generate_one: GenerateOne, prefix: tuple[int, ...],
+                    budget: int) -> tuple[list[Segment], str]:
+    """Up to `budget` tokens after `prefix` as sampled segments and the finish reason ("stop" or
+    "length"), resubmitting aborted requests (see the module docstring)."""
+    segments: list[Segment] = []
+    produced: tuple[int, ...] = ()
+    idle_aborts = 0
+    while True:
+        result = await generate_one(prefix + produced, budget - len(produced))
+        if result.token_ids or result.finish_reason != "abort":
+            segments.append(_sampled(result))
+            produced += tuple(result.token_ids)
+        if result.finish_reason != "abort":
+            return segments, result.finish_reason
+        if len(produced) >= budget:
+            return segments, "length"
+        idle_aborts = 0 if result.token_ids else idle_aborts + 1
+        if idle_aborts >= MAX_IDLE_ABORTS:
+            raise GeneratorError(f"{MAX_IDLE_ABORTS} requests in a row were aborted before "
+                                 "producing a token; is something other than the weight sync "
+                                 "aborting requests on this generator?")
+
+
 async def generate_completion(generate_one: GenerateOne, prompt_ids: Sequence[int], *,
                               settings: InterruptionSettings, rng: random.Random, group_id: int,
                               sample_index: int) -> RolloutSample:
     """One completion of `prompt_ids`, with forced interruption when `settings.enabled`."""
     prompt = tuple(int(t) for t in prompt_ids)
     if not settings.enabled:
-        result = await generate_one(prompt, settings.max_response_tokens)
+        segments, finish = await _generate(generate_one, prompt, settings.max_response_tokens)
         return assemble_sample(group_id=group_id, sample_index=sample_index,
-                               prompt_token_ids=prompt, segments=[_sampled(result)],
-                               finish_reason=result.finish_reason)
+                               prompt_token_ids=prompt, segments=segments,
+                               finish_reason=finish)
     budget = sample_thinking_budget(rng, settings.thinking_budget_min, settings.thinking_budget)
-    first = await generate_one(prompt, budget)
-    segments = [_sampled(first)]
-    finish = first.finish_reason
+    segments, finish = await _generate(generate_one, prompt, budget)
     if finish == "length":
-        end = find_subsequence(first.token_ids, settings.think_end_ids)
+        thought = tuple(t for s in segments for t in s.token_ids)
+        end = find_subsequence(thought, settings.think_end_ids)
         if end is None:  # still thinking at the budget: force the answer
-            inserted = Segment(token_ids=settings.phrase_ids, sampled=False)
+            segments.append(Segment(token_ids=settings.phrase_ids, sampled=False))
             remaining = settings.solution_budget - len(settings.phrase_ids)
-            segments.append(inserted)
         else:  # the answer had started: it gets the rest of the solution budget
             remaining = settings.solution_budget - (
-                len(first.token_ids) - end - len(settings.think_end_ids))
+                len(thought) - end - len(settings.think_end_ids))
         if remaining > 0:
             so_far = prompt + tuple(t for s in segments for t in s.token_ids)
-            second = await generate_one(so_far, remaining)
-            segments.append(_sampled(second))
-            finish = second.finish_reason
+            answer, finish = await _generate(generate_one, so_far, remaining)
+            segments += answer
     return assemble_sample(group_id=group_id, sample_index=sample_index,
                            prompt_token_ids=prompt, segments=segments, finish_reason=finish,
                            thinking_budget=budget)

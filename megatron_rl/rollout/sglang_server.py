@@ -93,7 +93,8 @@ class SGLangServerSettings:
         return cls(model_path=model_path, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
                    dtype=rollout.dtype, mem_fraction_static=rollout.mem_fraction_static,
                    enable_fp32_lm_head=rollout.enable_fp32_lm_head,
-                   attention_backend=rollout.attention_backend, **fields)
+                   attention_backend=rollout.attention_backend,
+                   disable_overlap_schedule=rollout.disable_overlap_schedule, **fields)
 
     @property
     def resolved_device(self) -> str:

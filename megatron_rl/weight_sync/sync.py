@@ -103,7 +103,7 @@ class WeightSyncSettings:
         return cls(transport=section.transport, bucket_bytes=section.bucket_mb * 2**20,
                    dtype=dtype, pause_mode=None if section.pause_mode == "none"
                    else section.pause_mode, timeout_s=section.timeout_s,
-                   disk_dir=disk_dir if section.transport == "disk" else None,
+                   update_attempts=section.update_attempts, disk_dir=disk_dir if section.transport == "disk" else None,
                    hf_config_dir=hf_config_dir, **fields)
 
 
@@ -126,6 +126,9 @@ class SyncReport:
     # with nothing running (SGLang refuses it otherwise): versions are kept apart by extra_key.
     cache_flushed: bool = True
     attempts: int = 1  # loading attempts this version took (> 1: earlier ones failed)
+    # Coordinator: from the first pause request to the last continue (0 when not paused): the
+    # time the generators' running requests made no progress because of this update.
+    paused_s: float = 0.0
 
     @property
     def bytes_per_s(self) -> float:
@@ -140,7 +143,8 @@ class SyncReport:
             ("buckets", self.num_buckets), ("gather_s", self.gather_s),
             ("convert_s", self.convert_s), ("transfer_s", self.transfer_s),
             ("load_s", self.load_s), ("control_s", self.control_s),
-            ("cache_flushed", self.cache_flushed), ("attempts", self.attempts))}
+            ("cache_flushed", self.cache_flushed), ("attempts", self.attempts),
+            ("paused_s", self.paused_s))}
 
 
 class WeightSync:
@@ -292,7 +296,8 @@ class WeightSync:
                           convert_s=counts.convert_s,
                           transfer_s=counts.transfer_s + times.transfer,
                           load_s=counts.load_s + times.load, control_s=counts.control_s,
-                          cache_flushed=flushed, attempts=counts.attempts)
+                          cache_flushed=flushed, attempts=counts.attempts,
+                          paused_s=control.paused_s if control is not None else 0.0)
 
     def _load(self, version: int, counts: "_Counts") -> tuple[list[str], bool]:
         """Send every stage's buckets, up to `update_attempts` times; each retry runs over a
@@ -542,12 +547,16 @@ class _UpdateControl:
         self.attempts = attempts
         self.paused: list[Generator] = []
         self.begun: list[Generator] = []
+        self._pause_started: float | None = None
+        self.paused_s = 0.0  # first pause request -> last continue (set by close)
 
     def open(self) -> None:
         if not self.session:
             return
         for generator in self.generators:
             if self.pause_mode is not None:
+                if self._pause_started is None:
+                    self._pause_started = time.perf_counter()
                 generator.pause(self.pause_mode)
                 self.paused.append(generator)
             generator.begin_weight_update()
@@ -574,6 +583,8 @@ class _UpdateControl:
                            f"version {version}: {_describe(exc)}")
                 generator.mark_failed(message)
                 failed.append(message)
+        if self._pause_started is not None:
+            self.paused_s = time.perf_counter() - self._pause_started
         return flushed, failed
 
     def abandon(self) -> None:

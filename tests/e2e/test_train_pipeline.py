@@ -69,6 +69,14 @@ def test_megatron_rl_train_tiny_pipeline(tmp_path):
     assert max(scalars["rollout/interruption_rate"].values()) > 0
     assert set(scalars["weight_sync/version"].values()) == {1.0, 2.0, 3.0, 4.0}
     assert set(scalars["train/skipped"].values()) == {0.0}  # every step trained
+    # Utilisation: fractions of wall time; tokens are counted when a request returns, so a step
+    # whose groups were all generated before it (the pipeline runs ahead) may count none.
+    for tag in ("perf/generator_busy_fraction", "perf/trainer_idle_fraction",
+                "weight_sync/step_fraction"):
+        assert all(0.0 <= v <= 1.0 for v in scalars[tag].values()), (tag, scalars[tag])
+    assert max(scalars["perf/generator_busy_fraction"].values()) > 0
+    assert sum(scalars["perf/generation_tokens_per_s"].values()) > 0
+    assert all(v >= 0 for v in scalars["weight_sync/paused_s"].values())
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004"]
     left = _ours(started)
     assert not left, f"processes outlived the run: {left}"

@@ -132,3 +132,41 @@ def test_samples_refuse_inconsistent_segments():
     empty = assemble_sample(group_id=0, sample_index=0, prompt_token_ids=(1,), segments=[],
                             finish_reason="abort")
     assert empty.oldest_version is None and empty.num_loss_tokens == 0
+
+
+def test_aborted_request_is_resubmitted_with_what_is_left_of_its_budget():
+    """pause_mode abort ends running requests at a weight update: the completion goes on from
+    prompt + output so far; the old tokens keep their version, the new ones carry the next."""
+    script = Script(((10, 11), "abort", 4), ((12, 13, 14), "length", 5),
+                    ((20, 21), "stop", 5))
+    sample = _run(script)
+    assert script.requests == [((1, 2), 5), ((1, 2, 10, 11), 3),
+                               ((1, 2, 10, 11, 12, 13, 14, 90, 91, 92), 3)]
+    assert sample.token_ids == (10, 11, 12, 13, 14, 90, 91, 92, 20, 21)
+    assert sample.versions == (4, 4, 5, 5, 5) + (NOT_SAMPLED,) * 3 + (5, 5)
+    assert sample.loss_mask == (1,) * 5 + (0,) * 3 + (1, 1)
+    assert sample.segment_offsets == (0, 2, 5, 8)
+    assert sample.interrupted and sample.finish_reason == "stop"
+
+
+def test_abort_in_the_answer_and_an_abort_with_no_tokens_are_resubmitted():
+    script = Script(((10, 11, 12, 13, 14), "length", 4), ((20,), "abort", 4),
+                    ((), "abort", 4), ((21, 22), "stop", 5))
+    sample = _run(script)
+    phrase_end = (1, 2, 10, 11, 12, 13, 14, 90, 91, 92)
+    assert script.requests == [((1, 2), 5), (phrase_end, 3), (phrase_end + (20,), 2),
+                               (phrase_end + (20,), 2)]
+    assert sample.token_ids[-3:] == (20, 21, 22) and sample.versions[-3:] == (4, 5, 5)
+    assert sample.finish_reason == "stop"
+
+
+def test_abort_that_fills_the_budget_counts_as_length_and_idle_aborts_are_an_error():
+    off = InterruptionSettings(enabled=False, thinking_budget_min=3, thinking_budget=3,
+                               solution_budget=1)
+    sample = _run(Script(((10, 11), "abort", 1), ((12, 13), "abort", 1)), settings=off)
+    assert sample.token_ids == (10, 11, 12, 13) and sample.finish_reason == "length"
+    from megatron_rl.rollout.interruption import MAX_IDLE_ABORTS
+    from megatron_rl.rollout.types import GeneratorError
+
+    with pytest.raises(GeneratorError, match="aborted before producing a token"):
+        _run(Script(*[((), "abort", 1)] * MAX_IDLE_ABORTS), settings=off)

@@ -325,3 +325,56 @@ def test_training_sampling_params_from_the_run_config():
     assert (params.temperature, params.top_p, params.num_samples, params.purpose) \
         == (0.7, 1.0, 4, "train")
     assert params.max_new_tokens == 32 and params.seed == 3
+
+
+def test_async_client_activity_counts_the_union_of_requests_in_flight_and_their_tokens():
+    """Busy time is wall time with at least one request in flight (two overlapping requests
+    count once), tokens are what came back. The server is an in-process aiohttp stand-in that
+    answers /generate after a delay (bookkeeping only; the live path is in tests/integration)."""
+    import asyncio
+    import time
+
+    from aiohttp import web
+
+    from megatron_rl.rollout.async_client import AsyncSGLangClient
+
+    async def generate(request):
+        body = await request.json()
+        await asyncio.sleep(body["sampling_params"]["max_new_tokens"] / 10)
+        n = body["sampling_params"]["max_new_tokens"]
+        return web.json_response({"output_ids": list(range(n)), "meta_info": {
+            "finish_reason": {"type": "length", "length": n},
+            "output_token_logprobs": [[-0.5, t, None] for t in range(n)],
+            "weight_versions": [{"version": "0", "start": 0, "end": n}]}})
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        client = AsyncSGLangClient(f"http://127.0.0.1:{port}")
+        params = SamplingParams(max_new_tokens=1, purpose="eval")
+        try:
+            start = client.activity()
+            assert (start.busy_s, start.tokens, start.requests) == (0.0, 0, 0)
+            began = time.perf_counter()
+            await asyncio.gather(client.generate_one([1], 3, params),
+                                 client.generate_one([1], 2, params))
+            overlapped = time.perf_counter() - began
+            await asyncio.sleep(0.3)  # idle: not busy
+            between = client.activity() - start
+            await client.generate_one([1], 1, params)
+            return between, client.activity() - start, overlapped
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    between, total, overlapped = asyncio.run(scenario())
+    assert between.tokens == 5 and between.requests == 2
+    # Busy covers the longer request (0.3 s of server delay) and no more than the wall time of
+    # the overlapping pair (the sum of the two, 0.5 s, would mean they were counted twice).
+    assert 0.3 <= between.busy_s <= overlapped
+    assert total.tokens == 6 and total.requests == 3
+    assert total.busy_s >= between.busy_s + 0.1
