@@ -276,7 +276,7 @@ def print_table(results: dict[str, list[dict]], steps: int) -> None:
             f"{_median(rows, 'mean_lag'):.2f}",
             f"{_median(rows, 'requeued'):.0f}",
             f"{speed_up:.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
-    Console(width=160).print(table)
+    Console(width=220).print(table)
     print("speed-up = sync median loop s / schedule's; in brackets the per-repeat ratios. On 2 "
           "cores generator and trainer share the CPU: the ratio is scheduling overhead, not the "
           "GPU speed-up (see the module docstring).")

@@ -649,13 +649,14 @@ class ClusterConfig:
 
     address: str | None = _field(None, "Ray cluster address to join (e.g. 10.0.0.1:6379); null "
                                  "= start a local cluster")
-    colocated: bool = _field(False, "trainers and generators share devices (not yet supported; "
-                             "false = disaggregated)")
+    colocated: bool = _field(False, "trainer ranks and generators share devices: generation and "
+                             "training alternate, the generators' memory released during "
+                             "training (needs a synchronous schedule, rollout.num_generators x "
+                             "rollout.tp_size = parallelism.world_size, and on GPU "
+                             "weight_sync.transport=tensor); false = disaggregated")
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _require(not self.colocated, "cluster.colocated: colocated placement is not built yet; "
-                 "set cluster.colocated=false (disaggregated)")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -723,6 +724,17 @@ class RunConfig:
                  f"parallelism.sequence_parallel: MoE model {self.model.name!r} with "
                  f"tensor_model_parallel_size={par.tensor_model_parallel_size} needs "
                  "sequence parallelism; set parallelism.sequence_parallel=true")
+        _require(not self.cluster.colocated or self.rollout.mode == "ppo_off_policy"
+                 or self.rollout.max_off_policyness == 0,
+                 f"cluster.colocated: generators and trainer ranks share devices, so generation "
+                 f"and training alternate; rollout.mode pipeline with max_off_policyness="
+                 f"{self.rollout.max_off_policyness} would generate during training. Set "
+                 f"rollout.max_off_policyness=0 (synchronous) or rollout.mode=ppo_off_policy")
+        _require(not self.cluster.colocated or self.rollout.num_generators * self.rollout.tp_size
+                 == par.world_size,
+                 f"cluster.colocated: the generators' devices (rollout.num_generators "
+                 f"{self.rollout.num_generators} x rollout.tp_size {self.rollout.tp_size}) must be "
+                 f"the trainer's (parallelism.world_size {par.world_size})")
         _require(self.model.name in MOE_MODEL_FAMILIES or par.expert_model_parallel_size == 1,
                  f"parallelism.expert_model_parallel_size: dense model {self.model.name!r} has no "
                  f"experts to split (got {par.expert_model_parallel_size}); set it to 1")

@@ -41,6 +41,7 @@ class RunSetup:
         self._compute_start: float | None = None
         self._compute_offset = 0.0
         self._paused_busy_s = 0.0  # generator-seconds of in-flight requests held by pauses
+        self._released = False  # colocated: the generators' memory is released for training
 
     # ------------------------------------------------------------------ start / stop
 
@@ -128,29 +129,53 @@ class RunSetup:
                               "train.micro_batch_max_tokens) or filter the prompt file")
 
     def _start_cluster(self) -> None:
-        """Ray, one placement group, the SGLang engines serving model.hf_checkpoint (version 0)
-        and the trainer ranks starting from the same weights, connected by the weight sync."""
+        """Ray, one placement group, the trainer ranks starting from model.hf_checkpoint and the
+        SGLang engines serving it (version 0), connected by the weight sync."""
         from megatron_rl.cluster import (ClusterLayout, ClusterSettings, GeneratorPool,
                                          RayCluster, TrainerGroup)
-        from megatron_rl.rollout import SGLangServerSettings
 
         cfg = self.cfg
         self.ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address))
         self._stack.callback(self.ray.shutdown)
         layout = ClusterLayout.from_run_config(cfg, colocated=cfg.cluster.colocated)
+        if layout.colocated and layout.device == "gpu" and \
+                cfg.weight_sync.transport == "distributed":
+            raise ConfigError("weight_sync.transport: colocated generators share the trainer "
+                              "ranks' GPUs, and NCCL cannot hold two ranks of one group on one "
+                              "GPU; set weight_sync.transport=tensor (in-memory hand-over)")
+        self.layout = layout
         placement = self.ray.reserve(layout, name=cfg.name)
         model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
-        servers = [SGLangServerSettings.from_rollout_config(
-            cfg.rollout, model_dir, random_seed=cfg.seed + i,
-            log_path=str((self.out / f"generator-{i}.log").resolve()))
-            for i in range(layout.num_generators)]
-        self.generators = GeneratorPool.launch(placement, servers)
-        self.generator_urls = self.generators.urls
         self.trainers = TrainerGroup.create(placement, cfg)
         self.trainers.call("load_model_weights", self._converted_start_checkpoint(model_dir))
+        self.generators = GeneratorPool.launch(placement, self._server_settings(model_dir))
+        self.generator_urls = self.generators.urls
         self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=model_dir)
-        self.num_devices = layout.num_trainer_ranks + \
-            layout.num_generators * layout.devices_per_generator
+        self.num_devices = layout.num_trainer_ranks if layout.colocated else \
+            layout.num_trainer_ranks + layout.num_generators * layout.devices_per_generator
+
+    def _server_settings(self, model_dir: str) -> list:
+        """One SGLang server's settings per generator; colocated ones get their trainer ranks'
+        GPUs and SGLang's memory saver (GPU)."""
+        from megatron_rl.rollout import SGLangServerSettings
+
+        cfg, layout = self.cfg, self.layout
+        settings = []
+        for i in range(layout.num_generators):
+            fields = {}
+            if layout.colocated and layout.device == "gpu":
+                nodes = [self.trainers.nodes[r] for r in layout.generator_trainer_ranks(i)]
+                if len({n.node_id for n in nodes}) != 1:
+                    raise ConfigError(
+                        f"cluster.colocated: generator {i} would share the GPUs of trainer "
+                        f"ranks on {len({n.node_id for n in nodes})} nodes; an SGLang engine "
+                        "runs on one node: lower rollout.tp_size to the GPUs per node")
+                fields = dict(enable_memory_saver=True,
+                              visible_devices=tuple(g for n in nodes for g in n.gpu_ids))
+            settings.append(SGLangServerSettings.from_rollout_config(
+                cfg.rollout, model_dir, random_seed=cfg.seed + i,
+                log_path=str((self.out / f"generator-{i}.log").resolve()), **fields))
+        return settings
 
     def _converted_start_checkpoint(self, model_dir: str) -> str:
         """model.hf_checkpoint as a Megatron checkpoint (converted once per run directory)."""
@@ -270,6 +295,7 @@ class RunSetup:
         return metrics
 
     def train_step(self, batch) -> dict[str, float]:
+        release_s = self._release_generators() if self.layout.colocated else 0.0
         started = time.perf_counter()
         step = self.trainers.train_step(batch)
         seconds = time.perf_counter() - started
@@ -279,13 +305,41 @@ class RunSetup:
                 "train/logp_mismatch_mean": step.logp_mismatch,
                 "train/learning_rate": step.learning_rate, "train/skipped": float(step.skipped),
                 "perf/train_seconds": seconds,
-                "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)}
+                "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)} | (
+                    {"colocated/release_seconds": release_s} if self.layout.colocated else {})
+
+    def _release_generators(self) -> float:
+        """Colocated: free the engines' memory for the training phase, once nothing generates
+        (SGLang requires an idle engine; the synchronous schedules RunConfig requires admit
+        nothing new before the next version, and under ppo_off_policy this waits for the rest
+        of the round's groups)."""
+        from megatron_rl.rollout import SGLangGenerator
+
+        started = time.perf_counter()
+        self._call(self.manager.wait_until_idle())
+        for url in self.generator_urls:
+            SGLangGenerator(url).release_memory()
+        self._released = True
+        return time.perf_counter() - started
+
+    def _resume_generators(self, tags) -> None:
+        from megatron_rl.rollout import SGLangGenerator
+
+        for url in self.generator_urls:
+            SGLangGenerator(url).resume_memory(tags)
 
     def push_weights(self) -> dict[str, float]:
         """Sync the new weights into the generators in flight and publish the version."""
+        from megatron_rl.rollout import SGLangGenerator
+
+        if self._released:  # colocated: the weights' memory back, to load into
+            self._resume_generators(SGLangGenerator.MEMORY_WEIGHTS)
         before = self._activity()
         report = self.trainers.sync_weights()
         after = self._activity()
+        if self._released:
+            self._resume_generators(SGLangGenerator.MEMORY_AFTER_WEIGHTS)
+            self._released = False
         # Requests in flight while the generators were paused made no progress: that time is
         # not busy (a generator with nothing in flight lost nothing to the pause).
         self._paused_busy_s += sum(min(report.paused_s, (a - b).busy_s)

@@ -5,10 +5,16 @@ reserves it (`Placement`).
 Bundles, in order: one per trainer rank (bundle index = rank), then one per generator engine.
 On GPU a trainer rank's bundle is {GPU: 1, CPU: c} and an engine's is {GPU: devices_per_generator,
 CPU: c} (a bundle lives on one node, so an engine's tensor-parallel GPUs share a node); on CPU the
-bundles hold CPUs only. Disaggregated placement gives every actor its own bundle. Colocated
-placement (trainer ranks and engines sharing devices, memory released and resumed between the
-generation and training phases) is expressible here (`bundles()` gives the shared layout) but not
-implemented: `RayCluster.reserve` refuses it.
+bundles hold CPUs only. Disaggregated placement gives every actor its own bundle.
+
+Colocated placement: trainer ranks and engines share devices, one bundle per trainer rank holding
+that rank (its GPU) and a CPU share of an engine; engine i runs in the bundle of trainer rank
+i x devices_per_generator and its server is given the GPUs of ranks [i x d, (i + 1) x d) (Ray
+reports them; they must be on one node). Generation and training alternate: the run releases the
+engines' memory (SGLang /release_memory_occupation) before each training phase and resumes it
+after (megatron_rl/run_setup.py), so the schedule must be synchronous (rollout.max_off_policyness
+0, or ppo_off_policy). On CPU the same layout shares the CPUs and SGLang's release is a no-op for
+memory (its memory saver is CUDA-only) but runs the same calls.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ class ClusterLayout:
     num_trainer_ranks: int  # parallelism.world_size: one Ray actor per Megatron rank
     num_generators: int  # rollout.num_generators: one Ray actor per SGLang server
     devices_per_generator: int = 1  # rollout.tp_size: GPUs of one SGLang server (on GPU)
-    colocated: bool = False  # trainer ranks and generators share devices (not implemented)
+    colocated: bool = False  # trainer ranks and generators share devices
     device: str = "cpu"  # cpu | gpu: what a rank / an engine reserves besides CPUs
     cpus_per_trainer_rank: float = 1.0
     cpus_per_generator: float = 1.0  # the engine's own processes are not Ray tasks
@@ -45,16 +51,14 @@ class ClusterLayout:
             raise ValueError(f"ClusterLayout.strategy {self.strategy!r}: choose one of "
                              f"{_STRATEGIES}")
         if self.colocated:
-            if self.device != "gpu":
-                raise ValueError("ClusterLayout.colocated shares GPUs between trainer ranks and "
-                                 "generators; on CPU use colocated=False")
             total = self.num_generators * self.devices_per_generator
             if total != self.num_trainer_ranks:
                 raise ValueError(
                     f"ClusterLayout.colocated: the generators' GPUs (num_generators "
                     f"{self.num_generators} x devices_per_generator "
                     f"{self.devices_per_generator} = {total}) must be the trainer's GPUs "
-                    f"(num_trainer_ranks {self.num_trainer_ranks})")
+                    f"(num_trainer_ranks {self.num_trainer_ranks}): set rollout.num_generators "
+                    f"x rollout.tp_size = parallelism.world_size")
 
     @classmethod
     def from_run_config(cls, run, *, device: str | None = None, **fields: Any) -> "ClusterLayout":
@@ -83,21 +87,34 @@ class ClusterLayout:
             return index * self.devices_per_generator
         return self.num_trainer_ranks + index
 
+    def generator_trainer_ranks(self, index: int) -> range:
+        """Colocated: the trainer ranks whose devices generator `index` shares."""
+        self._check_index("generator", index, self.num_generators)
+        if not self.colocated:
+            raise ValueError("generator_trainer_ranks: only colocated generators share the "
+                             "trainer ranks' devices")
+        return range(index * self.devices_per_generator, (index + 1) * self.devices_per_generator)
+
     def trainer_resources(self) -> dict[str, float]:
         """What one trainer rank's actor requests (inside its bundle)."""
         gpus = {"GPU": 1.0} if self.device == "gpu" else {}
         return {"CPU": self.cpus_per_trainer_rank, **gpus}
 
     def generator_resources(self) -> dict[str, float]:
-        """What one generator actor requests (inside its bundle)."""
+        """What one generator actor requests (inside its bundle). Colocated: CPUs only; its
+        server is given the trainer ranks' GPUs (`generator_trainer_ranks`)."""
+        if self.colocated:
+            return {"CPU": self.cpus_per_generator}
         gpus = {"GPU": float(self.devices_per_generator)} if self.device == "gpu" else {}
         return {"CPU": self.cpus_per_generator, **gpus}
 
     def bundles(self) -> list[dict[str, float]]:
         """The placement group's bundles: trainer ranks first (index = rank), then generators.
-        Colocated: one bundle per trainer GPU, holding that rank and a share of an engine."""
+        Colocated: one bundle per trainer rank (its GPU), holding that rank and an engine's
+        CPU share."""
         if self.colocated:
-            shared = {"CPU": self.cpus_per_trainer_rank + self.cpus_per_generator, "GPU": 1.0}
+            shared = {"CPU": self.cpus_per_trainer_rank + self.cpus_per_generator,
+                      **({"GPU": 1.0} if self.device == "gpu" else {})}
             return [dict(shared) for _ in range(self.num_trainer_ranks)]
         return ([self.trainer_resources() for _ in range(self.num_trainer_ranks)]
                 + [self.generator_resources() for _ in range(self.num_generators)])
@@ -147,11 +164,6 @@ def reserve_placement_group(layout: ClusterLayout, *, timeout_s: float, name: st
     import ray
     from ray.util import placement_group, remove_placement_group
 
-    if layout.colocated:
-        raise NotImplementedError(
-            "colocated placement (trainer ranks and generators sharing GPUs, generator memory "
-            "released and resumed around each training phase) is not implemented yet; use "
-            "ClusterLayout(colocated=False): trainer ranks and generators on separate devices")
     group = placement_group(layout.bundles(), strategy=layout.strategy, name=name)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:

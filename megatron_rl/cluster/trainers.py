@@ -222,6 +222,7 @@ class TrainerGroup:
     def __init__(self, placement, workers: list):
         self.placement = placement
         self.workers = workers
+        self.nodes: list = []  # WorkerNode per rank (node, GPU ids), once created
         self._stopped = False
 
     @classmethod
@@ -245,6 +246,7 @@ class TrainerGroup:
         placement.cluster.on_shutdown("trainer ranks", group.shutdown)
         try:
             nodes = group._call_all("node", timeout_s=timeout_s)
+            group.nodes = list(nodes)
             rendezvous = ray.get(workers[0].pick_rendezvous.remote(), timeout=timeout_s)
             envs = rank_environments(nodes, rendezvous)
             config_ref = ray.put(run_config)

@@ -83,6 +83,7 @@ class RolloutManager:
         # waiter, so that neither can clear the other's wake-up.
         self._admission_wakeup = asyncio.Event()
         self._take_wakeup = asyncio.Event()
+        self._idle_wakeup = asyncio.Event()
         self._admitter: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ control
@@ -107,6 +108,7 @@ class RolloutManager:
     def _notify(self) -> None:
         self._admission_wakeup.set()
         self._take_wakeup.set()
+        self._idle_wakeup.set()
 
     @property
     def num_in_flight(self) -> int:
@@ -140,6 +142,16 @@ class RolloutManager:
                 self._requeued.append(group.prompt_index)
             self._notify()  # buffer room: admission may go on
         return taken
+
+    async def wait_until_idle(self) -> None:
+        """Return once no group is generating (colocated placement: before the generators'
+        memory is released for training; the synchronous schedules admit nothing new until the
+        next version, so this ends)."""
+        while self._running:
+            self._raise_if_failed()
+            self._idle_wakeup.clear()
+            await self._idle_wakeup.wait()
+        self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -70,6 +70,11 @@ class SGLangServerSettings:
     # gc.freeze() the start-up objects once healthy: later collections (SGLang runs one at every
     # cache flush on CPU: ~0.4 s with a tiny model's heap) walk only newer objects (~5 ms).
     freeze_gc: bool = True
+    # Colocated placement (GPU): SGLang's memory saver, so that released memory is freed for
+    # the trainer; and the GPUs the server uses (CUDA_VISIBLE_DEVICES), those of the trainer
+    # ranks it shares (None: what the process sees).
+    enable_memory_saver: bool = False
+    visible_devices: tuple[str, ...] | None = None
     extra_args: tuple[str, ...] = ()  # further SGLang CLI arguments, verbatim
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
@@ -115,6 +120,8 @@ class SGLangServerSettings:
             args.append("--sleep-on-idle")
         if self.disable_overlap_schedule:
             args.append("--disable-overlap-schedule")
+        if self.enable_memory_saver:
+            args.append("--enable-memory-saver")
         attention_backend = self.attention_backend or ("torch_native" if device == "cpu" else None)
         if attention_backend is not None:
             args += ["--attention-backend", attention_backend]
@@ -179,6 +186,8 @@ class SGLangServer:
         env = dict(os.environ)
         if settings.resolved_device == "cpu":
             env.update(sglang_cpu_environment())
+        if settings.visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(settings.visible_devices)
         command = [sys.executable, "-m", "megatron_rl.rollout.sglang_launch",
                    *settings.server_args(port)]
         with open(log_path, "ab") as log:
@@ -392,6 +401,23 @@ class SGLangGenerator(Generator):
 
     def flush_cache(self) -> None:
         self._request("POST", "/flush_cache", None)
+
+    # Colocated placement: SGLang's memory types, released before a training phase and resumed
+    # after it (weights first, so that the weight sync has somewhere to load; then the rest).
+    MEMORY_WEIGHTS = ("weights",)
+    MEMORY_AFTER_WEIGHTS = ("kv_cache", "cuda_graph")
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """SGLang /release_memory_occupation (None: every memory type). The engine must be
+        idle. The memory is freed with `--enable-memory-saver` on GPU; on CPU SGLang's memory
+        saver is a no-op and only the bookkeeping (cache flush, static state stash) runs."""
+        self._post_checked("/release_memory_occupation",
+                           {"tags": list(tags) if tags is not None else None})
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """SGLang /resume_memory_occupation of `tags` (None: every memory type)."""
+        self._post_checked("/resume_memory_occupation",
+                           {"tags": list(tags) if tags is not None else None})
 
     def freeze_gc(self) -> None:
         """Move every object the server holds now out of Python's garbage collection (SGLang's

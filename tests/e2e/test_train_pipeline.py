@@ -9,59 +9,38 @@ scaling log, TensorBoard and a checkpoint are written; and nothing outlives the 
 Ray process left in the process table).
 """
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
+from _checks import processes_left, run_train, scalars as read_scalars  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _scalars(event_dir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
-
-    accumulator = EventAccumulator(str(event_dir), size_guidance={SCALARS: 0})
-    accumulator.Reload()
-    return {tag: {e.step: e.value for e in accumulator.Scalars(tag)}
-            for tag in accumulator.Tags()[SCALARS]}
-
-
-def _ours(started: float) -> list[str]:
-    left = []
-    for process in psutil.process_iter(["cmdline", "create_time"]):
-        cmdline = " ".join(process.info["cmdline"] or [])
-        if process.info["create_time"] >= started and ("sglang" in cmdline or "raylet" in cmdline
-                                                      or "gcs_server" in cmdline):
-            left.append(f"{process.pid}: {cmdline[:120]}")
-    return left
-
-
 def test_megatron_rl_train_tiny_pipeline(tmp_path):
-    started = time.time()
     checkpoint = tmp_path / "tiny_llama"
     subprocess.run([sys.executable, "tools/make_tiny_checkpoint.py", str(checkpoint)], cwd=ROOT,
                    check=True, capture_output=True, timeout=300)
     out = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "train", "examples/configs/tiny_pipeline.yaml",
-         f"output_dir={out}", f"model.hf_checkpoint={checkpoint}", "logging.progress_bar=false",
+    rc, stdout, stderr, pid = run_train(
+        ["examples/configs/tiny_pipeline.yaml", f"output_dir={out}",
+         f"model.hf_checkpoint={checkpoint}", "logging.progress_bar=false",
          # The random starting policy solves no problem, so every group has zero reward
          # variance and the filter would leave no step anything to train on: keep the groups
          # (zero advantages) so that every step runs the trainer and its parity check.
          "algorithm.zero_variance_filter=false"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        cwd=ROOT, timeout=1200)
+    assert rc == 0, stdout[-3000:] + stderr[-6000:]
 
     lines = [json.loads(line) for line in (out / "scaling.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if line["task"] == "all"] == [0, 2, 4]
-    scalars = _scalars(out / "tensorboard")
+    scalars = read_scalars(out / "tensorboard")
     # Same weights on both sides before the first update: float noise only (fp32).
     assert scalars["train/logp_mismatch_mean"][1] < 1e-4, scalars["train/logp_mismatch_mean"]
     assert max(scalars["rollout/staleness/max_lag"].values()) <= 2  # k = 2
@@ -78,5 +57,5 @@ def test_megatron_rl_train_tiny_pipeline(tmp_path):
     assert sum(scalars["perf/generation_tokens_per_s"].values()) > 0
     assert all(v >= 0 for v in scalars["weight_sync/paused_s"].values())
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000004"]
-    left = _ours(started)
+    left = processes_left(model_dir=checkpoint, driver_pid=pid)
     assert not left, f"processes outlived the run: {left}"

@@ -1,0 +1,47 @@
+"""What the e2e runs of `megatron-rl train` read back: TensorBoard scalars and the process table."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+
+def scalars(event_dir: Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} of every scalar in a TensorBoard directory."""
+    from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+    accumulator = EventAccumulator(str(event_dir), size_guidance={SCALARS: 0})
+    accumulator.Reload()
+    return {tag: {e.step: e.value for e in accumulator.Scalars(tag)}
+            for tag in accumulator.Tags()[SCALARS]}
+
+
+def processes_left(*, model_dir: Path, driver_pid: int) -> list[str]:
+    """This run's SGLang servers (their --model-path is `model_dir`) and Ray cluster processes
+    (the session Ray names after the driver's pid) still running. Other runs on the machine,
+    such as a concurrent test session, are not counted."""
+    session = re.compile(rf"session_[0-9_-]+_{driver_pid}\b")
+    left = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        ours = ("sglang" in cmdline and str(model_dir) in cmdline) or (
+            ("raylet" in cmdline or "gcs_server" in cmdline) and session.search(cmdline))
+        if ours:
+            left.append(f"{process.pid}: {cmdline[:120]}")
+    return left
+
+
+def run_train(args: list[str], *, cwd: Path, timeout: float) -> tuple[int, str, str, int]:
+    """`python -m megatron_rl.cli train ARGS` -> (return code, stdout, stderr, driver pid)."""
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=cwd,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        stderr += f"\n[test] megatron-rl train timed out after {timeout:.0f} s"
+    return proc.returncode, stdout, stderr, proc.pid
