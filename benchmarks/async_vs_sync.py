@@ -40,6 +40,8 @@ Reading the table (medians over the repeats, spread = min-max):
 - mean lag: the trained tokens' staleness in steps (rollout/staleness/mean_lag averaged over the
   steps), 0 for sync; requeued: groups regenerated because they went staler than k (the run's
   total).
+- paused share: the share of the loop the generators were paused for weight updates (first pause
+  request to last continue, weight_sync/paused_s); in_place keeps generating right up to it.
 - gen busy: the share of the loop's wall time in which the generator had requests in flight and
   was not paused for a weight update (perf/generator_busy_fraction, weighted by step time); gen
   tok/s: completion tokens returned per second of loop (perf/generation_tokens_per_s).
@@ -149,12 +151,14 @@ def summarize(scalars: dict[str, dict[int, float]], steps: int) -> dict[str, flo
     sync_s = per_step("weight_sync/seconds")
     busy, tokens_per_s = per_step("perf/generator_busy_fraction"), \
         per_step("perf/generation_tokens_per_s")
+    paused_s = per_step("weight_sync/paused_s")
     lag = scalars.get("rollout/staleness/mean_lag", {})
     loop = sum(step_s)
     return dict(loop_s=loop, step_s=loop / steps, wait_share=sum(wait_s) / loop,
                 steady_s=sum(step_s[1:]) / (steps - 1) if steps > 1 else float("nan"),
                 sync_s=sum(sync_s) / steps, sync_share=sum(sync_s) / loop,
                 busy=sum(b * s for b, s in zip(busy, step_s)) / loop,
+                paused_share=sum(paused_s) / loop,
                 tokens_per_s=sum(t * s for t, s in zip(tokens_per_s, step_s)) / loop,
                 mean_lag=statistics.mean(lag.values()) if lag else float("nan"),
                 requeued=scalars.get("rollout/staleness/requeued", {}).get(steps, float("nan")),
@@ -257,7 +261,7 @@ def print_table(results: dict[str, list[dict]], steps: int) -> None:
     table = Table(title=f"loop of megatron-rl train, tiny recipe, {steps} steps: median "
                         f"(min-max) over {len(baseline)} run(s) each, same run")
     for column in ("schedule", "loop s", "s/step", "after step 1", "wait share", "sync s/step",
-                   "sync share", "gen busy", "gen tok/s", "mean lag", "requeued",
+                   "sync share", "paused share", "gen busy", "gen tok/s", "mean lag", "requeued",
                    f"speed-up vs {next(iter(results))}"):
         table.add_column(column, justify="left" if column == "schedule" else "right")
     for name, rows in results.items():
@@ -271,6 +275,7 @@ def print_table(results: dict[str, list[dict]], steps: int) -> None:
             f"{_median(rows, 'wait_share'):.0%} ({_spread(rows, 'wait_share', '.0%')})",
             f"{_median(rows, 'sync_s'):.3f} ({_spread(rows, 'sync_s', '.3f')})",
             f"{_median(rows, 'sync_share'):.1%}",
+            f"{_median(rows, 'paused_share'):.1%}",
             f"{_median(rows, 'busy'):.2f} ({_spread(rows, 'busy', '.2f')})",
             f"{_median(rows, 'tokens_per_s'):.0f}",
             f"{_median(rows, 'mean_lag'):.2f}",
