@@ -385,12 +385,15 @@ class RunSetup:
 
     def validate(self, step: int) -> None:
         """mean@k per task on the held-out prompts with the current weights -> scaling log."""
-        from megatron_rl.validation import log_validation, score_samples, validation_metrics
+        from megatron_rl.validation import (log_validation, score_samples, validation_metrics,
+                                            write_validation_samples)
 
         k = self.cfg.eval.samples_per_prompt
         completions = self._call(self._generate_heldout(k))
         texts = [[self.tokenizer.decode(s.token_ids) for s in group] for group in completions]
         scored = score_samples(self.registry, self.heldout_records, texts)
+        write_validation_samples(self.out / "validation_samples" / f"step_{step:06d}.jsonl",
+                                 step, self.heldout_records, texts, scored)
         metrics = validation_metrics(scored, samples_per_prompt=k)
         log_validation(self.scaling_log, step, self.compute_gpu_hours, metrics,
                        tb_writer=self.writer)

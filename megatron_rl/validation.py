@@ -132,3 +132,29 @@ def log_validation(scaling_log: Any, step: int, compute_gpu_hours: float,
         for task, count in metrics.num_excluded_prompts_by_task.items():
             tb_writer.add_scalar(f"val/excluded_prompts/{task}", count, global_step=step)
         tb_writer.flush()
+
+
+def write_validation_samples(path: str | os.PathLike, step: int,
+                             records: Sequence[PromptRecord],
+                             completions: Sequence[Sequence[str]],
+                             scored: Sequence[ScoredSample]) -> None:
+    """One JSON line per held-out sample (step, prompt id, task, prompt, completion text,
+    reward, passed) into `path` (written whole to a temporary file, then renamed), so that a
+    run's completions can be read at every validation (`megatron-rl train` writes
+    output_dir/validation_samples/step_<N>.jsonl)."""
+    import json
+    from pathlib import Path
+
+    flat = [(r, c) for r, group in zip(records, completions) for c in group]
+    if len(flat) != len(scored):
+        raise ValueError(f"{len(flat)} completions but {len(scored)} scored samples")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for (record, completion), sample in zip(flat, scored):
+            f.write(json.dumps({"step": step, "prompt_id": record.prompt_id,
+                                "task": record.task, "prompt": record.prompt,
+                                "completion": completion, "reward": sample.reward,
+                                "passed": sample.passed}) + "\n")
+    os.replace(tmp, path)

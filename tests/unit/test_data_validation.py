@@ -12,6 +12,7 @@ from megatron_rl.validation import (
     log_validation,
     score_samples,
     validation_metrics,
+    write_validation_samples,
 )
 
 pytestmark = pytest.mark.unit
@@ -156,3 +157,20 @@ def test_record_for_unknown_task_fails_before_scoring():
     record = PromptRecord(prompt_id="x", task="poetry", prompt="p")
     with pytest.raises(ValueError, match="no reward function for task 'poetry'"):
         score_samples(registry, [record], [["a"]])
+
+
+def test_validation_samples_file_has_one_line_per_completion_in_order(tmp_path):
+    records = [PromptRecord(prompt_id="a", task="math", prompt="1 + 1 =", answer="2"),
+               PromptRecord(prompt_id="b", task="math", prompt="2 + 2 =", answer="4")]
+    completions = [["2", "3"], ["4", "x"]]
+    scored = _samples("a", "math", [True, False]) + _samples("b", "math", [True, None])
+    path = tmp_path / "validation_samples" / "step_000004.jsonl"
+    write_validation_samples(path, 4, records, completions, scored)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(x["prompt_id"], x["completion"], x["reward"], x["passed"]) for x in lines] == [
+        ("a", "2", 1.0, True), ("a", "3", 0.0, False), ("b", "4", 1.0, True),
+        ("b", "x", None, False)]
+    assert {x["step"] for x in lines} == {4} and lines[2]["prompt"] == "2 + 2 ="
+    assert [p.name for p in path.parent.iterdir()] == ["step_000004.jsonl"]  # no temp left
+    with pytest.raises(ValueError, match="4 completions but 3 scored"):
+        write_validation_samples(path, 4, records, completions, scored[:3])
