@@ -69,6 +69,11 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         "megatron-core saves / loads a checkpoint's common (non-sharded) state without a process "
         "group (and the HF converter runs as one process); the sharded tensors go collectively"),
     KnownWarning(
+        "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed.",
+        "megatron-core 0.19.2's distributed optimizer zero_grad reads .grad of its fp32 shard "
+        "params, which for fp32 models are views of the model params (non-leaf); it only tests "
+        "for None, and the gradients live in main_grad"),
+    KnownWarning(
         "The argument order of load has been changed.",
         "megatron-core 0.19.2 calls torch.distributed.checkpoint.load with keywords"),
     KnownWarning(
