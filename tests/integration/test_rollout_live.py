@@ -1,7 +1,8 @@
-"""Forced interruption against a live SGLang CPU server (tiny Llama, fp32): completions cut at
-their drawn thinking budget get the interruption phrase (tokenized once by the model's own
-tokenizer) and are continued by a second request from prompt + output + phrase, concurrently
-from one event loop through the async client.
+"""Forced interruption against a live SGLang CPU server (the shared tiny Llama, fp32, reset to its
+launch state: tests/integration/conftest.py): completions cut at their drawn thinking budget get
+the interruption phrase (tokenized once by the model's own tokenizer) and are continued by a
+second request from prompt + output + phrase, concurrently from one event loop through the async
+client.
 
 Independent reference: transformers' forward pass over the whole assembled sequence; every
 sampled token's recorded behaviour log-prob must equal log softmax(logits / T) there (so the
@@ -23,19 +24,12 @@ pytestmark = pytest.mark.integration
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from test_sglang_weight_sync import LOGPROB_TOLERANCE, _served  # noqa: E402
+from test_sglang_weight_sync import LOGPROB_TOLERANCE  # noqa: E402
 
 TEMPERATURE = 0.8
 
 
-@pytest.fixture(scope="module")
-def llama_server(tmp_path_factory):
-    from _hf_families import save_tiny_llama
-
-    yield from _served(tmp_path_factory, "tiny_llama_interruption", save_tiny_llama)
-
-
-def test_forced_interruption_on_a_live_server(llama_server):
+def test_forced_interruption_on_a_live_server(llama_generator):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_rl.config import load_config
@@ -44,7 +38,7 @@ def test_forced_interruption_on_a_live_server(llama_server):
     from megatron_rl.rollout.interruption import InterruptionSettings, generate_completion
     from megatron_rl.rollout.samples import NOT_SAMPLED
 
-    model_dir = llama_server.server.settings.model_path
+    model_dir = llama_generator.server.settings.model_path
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rollout = load_config(None, [
         f"rollout.temperature={TEMPERATURE}", "rollout.thinking_budget_min=6",
@@ -57,7 +51,7 @@ def test_forced_interruption_on_a_live_server(llama_server):
     prompts = [(5, 6, 7), (9, 10, 11, 12), (20, 21), (30, 31, 32, 33, 34)]
 
     async def rollouts():
-        async with AsyncSGLangClient(llama_server.url, request_timeout_s=120) as client:
+        async with AsyncSGLangClient(llama_generator.url, request_timeout_s=120) as client:
             async def one(group_id, prompt):
                 def generate_one(input_ids, max_new_tokens):
                     return client.generate_one(input_ids, max_new_tokens, params,
@@ -70,7 +64,7 @@ def test_forced_interruption_on_a_live_server(llama_server):
     samples = asyncio.run(rollouts())
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     phrase = settings.phrase_ids
-    version = int(llama_server.server_weight_version())
+    version = int(llama_generator.server_weight_version())
     interrupted = [s for s in samples if s.interrupted]
     assert len(interrupted) >= 3, [s.token_ids for s in samples]
     for sample in interrupted:
@@ -94,7 +88,7 @@ def test_forced_interruption_on_a_live_server(llama_server):
         assert diff < LOGPROB_TOLERANCE, f"max |logp diff| {diff} at T={TEMPERATURE}"
 
 
-def test_rollout_manager_admits_under_the_bound_and_scores_with_the_verifier(llama_server):
+def test_rollout_manager_admits_under_the_bound_and_scores_with_the_verifier(llama_generator):
     """The manager on a live server with reasoning-gym prompts and their own scorer: groups of
     G forced-interruption completions, scored by the real verifier, handed out under the
     staleness bound (k = 1, 2 prompts per step: at most 4 groups started before version 1)."""
@@ -110,7 +104,7 @@ def test_rollout_manager_admits_under_the_bound_and_scores_with_the_verifier(lla
     from megatron_rl.rollout.manager import RolloutManager
     from megatron_rl.rollout.staleness import AdmissionGate, StalenessSettings
 
-    tokenizer = AutoTokenizer.from_pretrained(llama_server.server.settings.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(llama_generator.server.settings.model_path)
     records = reasoning_gym_prompts("basic_arithmetic", num_prompts=6, seed=0, instruction="",
                                     config={"min_terms": 2, "max_terms": 2, "min_digits": 1,
                                             "max_digits": 1})
@@ -124,7 +118,7 @@ def test_rollout_manager_admits_under_the_bound_and_scores_with_the_verifier(lla
     gate = AdmissionGate(StalenessSettings(max_off_policyness=1, prompts_per_step=2))
 
     async def run():
-        async with AsyncSGLangClient(llama_server.url, request_timeout_s=120) as client:
+        async with AsyncSGLangClient(llama_generator.url, request_timeout_s=120) as client:
             manager = RolloutManager(
                 clients=[client], prompt_token_ids=[encode(r.prompt) for r in records],
                 records=records, sampler=NoPositiveResamplingSampler(len(records), seed=0),

@@ -1,7 +1,8 @@
 """In-flight weight updates against a live SGLang CPU server (docs/generators.md, "In-flight
-updates"): one tiny Llama-3-style server (launched once, overlap schedule off: the default), a
-one-rank Megatron trainer (tests/integration/_inflight_worker.py, one torchrun launch) that trains
-a step and pushes the new weights through the real WeightSync while 4 requests of 200 tokens run.
+updates"): the shared tiny Llama-3-style server (tests/integration/conftest.py; reset to its
+launch state first; overlap schedule off: the default), a one-rank Megatron trainer
+(tests/integration/_inflight_worker.py, one torchrun launch) that trains a step and pushes the new
+weights through the real WeightSync while 4 requests of 200 tokens run.
 
 Per token, SGLang's recorded log-prob must equal the log-prob under the weights of the version the
 token is labelled with (tolerance 1e-4, as in test_sglang_weight_sync.py; both sides fp32):
@@ -16,9 +17,6 @@ fails is retried or fails the generator without ever continuing it on a partial 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,46 +25,22 @@ import pytest
 pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+
+from _workers import run_worker  # noqa: E402
 
 LOGPROB_TOLERANCE = 1e-4
 NUM_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
-def inflight(tmp_path_factory) -> dict:
-    """The worker's measurements (one server launch, one trainer launch)."""
-    from _hf_families import save_tiny_llama
-
-    from megatron_rl.rollout import SGLangGenerator, SGLangServerSettings
-
-    directory = tmp_path_factory.mktemp("inflight")
-    settings = SGLangServerSettings(
-        model_path=str(save_tiny_llama(directory / "model")), dtype="float32",
-        mem_fraction_static=0.05, max_total_tokens=8192, startup_timeout_s=300,
-        request_timeout_s=240, log_path=str(directory / "server.log"))
-    assert settings.disable_overlap_schedule  # hazard 1: exact labels
-    generator = SGLangGenerator.launch(settings)
-    out, log_path = directory / "result.json", directory / "worker.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-               "--master-port", "29741", str(HERE / "_inflight_worker.py"),
-               settings.model_path, generator.url, str(out)]
-    try:
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                code = proc.wait(timeout=900)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                code = "timeout"
-    finally:
-        generator.shutdown()
-    assert code == 0, f"worker exit {code}:\n" + log_path.read_text()[-6000:]
-    result = json.loads(out.read_text())
+def inflight(tiny_llama_server, tmp_path_factory) -> dict:
+    """The worker's measurements (one trainer launch against the shared server, reset first)."""
+    generator = tiny_llama_server.fresh()
+    assert generator.server.settings.disable_overlap_schedule  # hazard 1: exact labels
+    result = run_worker("_inflight_worker.py", generator.server.settings.model_path,
+                        generator.url, num_ranks=1, directory=tmp_path_factory.mktemp("inflight"),
+                        timeout_s=900)
     print(json.dumps(result, indent=1))  # the measured numbers, with pytest -s
     return result
 

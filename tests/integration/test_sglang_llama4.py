@@ -31,10 +31,6 @@ SGLang's separate sliding-window KV pool).
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,8 +39,9 @@ import pytest
 pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+
+from _workers import WorkerLaunch  # noqa: E402
 
 LOGPROB_TOLERANCE = 0.05
 GREEDY_LOGIT_BAND = 0.05
@@ -64,24 +61,14 @@ def sync_result(tmp_path_factory) -> dict:
         model_path=str(save_tiny_llama4(directory / "model")), dtype="bfloat16",
         mem_fraction_static=0.05, max_total_tokens=8192, startup_timeout_s=240,
         request_timeout_s=120, log_path=str(directory / "server.log")), wait=False)
-    out, log_path = directory / "result.json", directory / "trainer.log"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(HERE / "_llama4_sync_worker.py"),
-               server.settings.model_path, server.url, str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    with open(log_path, "w") as log:
-        worker = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+    worker = WorkerLaunch("_llama4_sync_worker.py", server.settings.model_path, server.url,
+                          num_ranks=2, directory=directory)
     try:
         server.wait_until_healthy()  # fails early, with the server's log, if it cannot start
-        worker.wait(timeout=400)
+        return worker.result(timeout_s=400)
     finally:
-        if worker.poll() is None:  # its own process group: torchrun and both ranks
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait()
+        worker.kill()  # its own process group: torchrun and both ranks
         server.shutdown()
-    assert worker.returncode == 0, log_path.read_text()[-8000:]
-    return json.loads(out.read_text())
 
 
 def test_generator_serves_the_trainer_log_probs_after_sync(sync_result):
