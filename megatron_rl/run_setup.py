@@ -146,9 +146,14 @@ class RunSetup:
         self.layout = layout
         placement = self.ray.reserve(layout, name=cfg.name)
         model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
-        self.trainers = TrainerGroup.create(placement, cfg)
+        if layout.colocated and layout.device == "gpu":  # servers need the ranks' GPU ids
+            self.trainers = TrainerGroup.create(placement, cfg)
+            self.generators = GeneratorPool.start(placement, self._server_settings(model_dir))
+        else:  # the servers load while the trainer ranks build
+            self.generators = GeneratorPool.start(placement, self._server_settings(model_dir))
+            self.trainers = TrainerGroup.create(placement, cfg)
         self.trainers.call("load_model_weights", self._converted_start_checkpoint(model_dir))
-        self.generators = GeneratorPool.launch(placement, self._server_settings(model_dir))
+        self.generators.wait_until_healthy()
         self.generator_urls = self.generators.urls
         self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=model_dir)
         self.num_devices = layout.num_trainer_ranks if layout.colocated else \
@@ -303,6 +308,7 @@ class RunSetup:
                 "train/entropy": step.entropy, "train/is_clip_fraction": step.clip_fraction,
                 "train/mean_ratio": step.mean_ratio,
                 "train/logp_mismatch_mean": step.logp_mismatch,
+                "train/logp_mismatch_max": step.logp_mismatch_max,
                 "train/learning_rate": step.learning_rate, "train/skipped": float(step.skipped),
                 "perf/train_seconds": seconds,
                 "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)} | (

@@ -149,6 +149,15 @@ class GeneratorPool:
         """Start one server per generator of `placement.layout` (`settings[i]` for generator
         i) and wait until all are healthy; on any failure every one is stopped and the error
         names the generator that failed."""
+        pool = cls.start(placement, settings, names=names)
+        pool.wait_until_healthy()
+        return pool
+
+    @classmethod
+    def start(cls, placement, settings: Sequence[SGLangServerSettings], *,
+              names: Sequence[str] | None = None) -> "GeneratorPool":
+        """`launch` without the wait: the server processes are started and the pool returns
+        while they load (build the trainer meanwhile), then `wait_until_healthy()`."""
         count = placement.layout.num_generators
         if len(settings) != count:
             raise ValueError(f"{len(settings)} server settings for {count} generators "
@@ -163,15 +172,21 @@ class GeneratorPool:
         pool = cls(placement, actors, names)
         placement.cluster.on_shutdown("generators", pool.shutdown)
         try:
-            labels = pool._labels()
-            pool._endpoints = gather([a.launch.remote() for a in actors], labels,
+            pool._endpoints = gather([a.launch.remote() for a in actors], pool._labels(),
                                      what="launching the SGLang servers")
-            pool._endpoints = gather([a.wait_until_healthy.remote() for a in actors],
-                                     pool._labels(), what="starting the SGLang servers")
         except BaseException:
             pool.shutdown()
             raise
         return pool
+
+    def wait_until_healthy(self) -> None:
+        """Wait until every started server answers; on any failure every one is stopped."""
+        try:
+            self._endpoints = gather([a.wait_until_healthy.remote() for a in self.actors],
+                                     self._labels(), what="starting the SGLang servers")
+        except BaseException:
+            self.shutdown()
+            raise
 
     @property
     def endpoints(self) -> list[GeneratorEndpoint]:

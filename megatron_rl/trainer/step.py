@@ -58,6 +58,7 @@ class ForwardBackwardResult:
     abs_logp_diff_sum: float
     entropy_sum: float
     num_tokens: int
+    abs_logp_diff_max: float = 0.0  # largest |logp_train - logp_gen| of any loss token
 
 
 def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: ParallelGroups,
@@ -79,17 +80,21 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
         num_microbatches=len(micro_batches), seq_length=first.input_ids.shape[1],
         micro_batch_size=first.input_ids.shape[0], forward_only=forward_only)
     stats = torch.zeros(len(_STATS), dtype=torch.float64)
+    largest = torch.zeros(1, dtype=torch.float64)
     for out in outputs:  # only the last pipeline stage has outputs
         stats += out["stats"]
+        largest = torch.maximum(largest, out["abs_logp_diff_max"])
     torch.distributed.all_reduce(stats, group=groups.dp)
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=groups.dp)
     if groups.pp_size > 1:
         torch.distributed.broadcast(stats, src=groups.pipeline_last_rank, group=groups.pp)
+        torch.distributed.broadcast(largest, src=groups.pipeline_last_rank, group=groups.pp)
     values = dict(zip(_STATS, stats.tolist()))
     return ForwardBackwardResult(
         loss=values["loss"], num_loss_tokens=int(values["num_loss_tokens"]),
         num_clipped=values["num_clipped"], ratio_sum=values["ratio"],
         abs_logp_diff_sum=values["abs_logp_diff"], entropy_sum=values["entropy"],
-        num_tokens=int(values["num_tokens"]))
+        num_tokens=int(values["num_tokens"]), abs_logp_diff_max=float(largest))
 
 
 def _forward_step(data_iterator, model, *, groups, denominators, settings, temperature,
@@ -149,7 +154,8 @@ def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings
     stats[_STATS.index("num_tokens")] = micro_batch.num_tokens
     if num_loss_tokens == 0:
         loss = logp.sum() * 0.0  # keeps every rank's backward identical in structure
-        return loss, torch.tensor(0, dtype=torch.int), {"stats": stats}
+        return loss, torch.tensor(0, dtype=torch.int), {
+            "stats": stats, "abs_logp_diff_max": torch.zeros(1, dtype=torch.float64)}
     sample_index = micro_batch.sample_index[mask]
     prompt_index = micro_batch.prompt_index[mask]
     ones = torch.ones_like(sample_index, dtype=torch.bool)
@@ -166,4 +172,6 @@ def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings
     stats[_STATS.index("abs_logp_diff")] = out.abs_logp_diff.detach().double().sum()
     if micro_batch.entropy is not None:
         stats[_STATS.index("entropy")] = micro_batch.entropy.detach().double().sum()
-    return loss, torch.tensor(num_loss_tokens, dtype=torch.int), {"stats": stats}
+    largest = out.abs_logp_diff.detach().double().max().reshape(1)
+    return loss, torch.tensor(num_loss_tokens, dtype=torch.int), {
+        "stats": stats, "abs_logp_diff_max": largest}

@@ -88,6 +88,7 @@ class StepMetrics:
     clip_fraction: float  # fraction of loss tokens whose ratio hit a clip / truncation
     mean_ratio: float  # mean pi_train / pi_gen
     logp_mismatch: float  # mean |logp_train - logp_gen|
+    logp_mismatch_max: float  # max |logp_train - logp_gen| over the step's loss tokens
     entropy: float  # mean policy entropy (FP32 head)
     num_loss_tokens: int
     num_tokens: int  # all non-padding positions processed (prompt + completion)
@@ -169,7 +170,8 @@ class RLTrainer:
         return StepMetrics(
             step=self.step, loss=result.loss, grad_norm=grad_norm,
             clip_fraction=result.num_clipped / tokens, mean_ratio=result.ratio_sum / tokens,
-            logp_mismatch=result.abs_logp_diff_sum / tokens, entropy=result.entropy_sum / tokens,
+            logp_mismatch=result.abs_logp_diff_sum / tokens,
+            logp_mismatch_max=result.abs_logp_diff_max, entropy=result.entropy_sum / tokens,
             num_loss_tokens=result.num_loss_tokens, num_tokens=result.num_tokens,
             num_micro_batches=len(micro_batches),
             learning_rate=self.optimizer.param_groups[0]["lr"], skipped=not finite,

@@ -147,6 +147,7 @@ def tempered_check(trainer: RLTrainer, sampled) -> dict:
     return {"max_diff": float((tempered - gen).abs().max()),
             "independent_mismatch": logprob_mismatch(tempered, gen),
             "step_logp_mismatch": step.abs_logp_diff_sum / step.num_loss_tokens,
+            "step_logp_mismatch_max": step.abs_logp_diff_max,
             "untempered_max_diff": float((completion_logprobs(trainer, sampled, 1.0) - gen)
                                          .abs().max())}
 

@@ -1,7 +1,8 @@
 """Real SGLang CPU servers (one tiny Llama-3-style, one tiny Qwen3-MoE; each started once per
-test session and reused) driven through megatron_rl.rollout, and the weight sync from a 2-rank
-Megatron trainer (torchrun subprocess: TP2 for Llama, TP2+SP x EP2 for the MoE). The Llama run
-also syncs through the colocated-tensor and disk transports.
+test session and reset to its launch state before every test: tests/integration/conftest.py)
+driven through megatron_rl.rollout, and the weight sync from a 2-rank Megatron trainer (torchrun
+subprocess: TP2 for Llama, TP2+SP x EP2 for the MoE). The Llama run also syncs through the
+colocated-tensor and disk transports.
 
 References: the trainer's own FP32 log-probs (Megatron at TP2, computed without any gather) and
 transformers' greedy decoding of the synced weights. Tolerance: generator and trainer log-probs
@@ -10,10 +11,6 @@ whose recorded log-probs are log softmax(logits / T) and which the trainer score
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -25,58 +22,11 @@ import torch
 pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
+from _workers import run_worker  # noqa: E402
+
 LOGPROB_TOLERANCE = 1e-4
-
-
-def _served(tmp_path_factory, name: str, save_model):
-    """An fp32 SGLang CPU server of the tiny model `save_model` writes; shut down afterwards."""
-    from megatron_rl.rollout import SGLangGenerator, SGLangServerSettings
-
-    directory = tmp_path_factory.mktemp(name)
-    generator = SGLangGenerator.launch(SGLangServerSettings(
-        model_path=str(save_model(directory / "model")), dtype="float32",
-        mem_fraction_static=0.05, max_total_tokens=8192, startup_timeout_s=240,
-        request_timeout_s=120, log_path=str(directory / "server.log")))
-    yield generator
-    generator.shutdown()
-
-
-@pytest.fixture(scope="session")
-def llama_generator(tmp_path_factory):
-    from _hf_families import save_tiny_llama
-
-    yield from _served(tmp_path_factory, "tiny_llama", save_tiny_llama)
-
-
-@pytest.fixture(scope="session")
-def qwen3_moe_generator(tmp_path_factory):
-    from _hf_families import save_tiny_qwen3_moe
-
-    yield from _served(tmp_path_factory, "tiny_qwen3_moe", save_tiny_qwen3_moe)
-
-
-def _run_worker(generator, layout: str, tmp_path: Path, port: int) -> dict:
-    # Output to a file, not a pipe: the colocated-tensor transport starts torch's
-    # torch_shm_manager, which inherits the pipe and keeps it open after the worker exits.
-    out, log_path = tmp_path / "result.json", tmp_path / "worker.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(port), str(HERE / "_weight_sync_worker.py"),
-               generator.server.settings.model_path, generator.url, str(out), layout]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=400)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = "timeout"
-    assert code == 0, f"worker exit {code}:\n" + log_path.read_text()[-6000:]
-    return json.loads(out.read_text())
 
 
 def _check_sync_results(result: dict) -> None:
@@ -101,6 +51,8 @@ def _check_sync_results(result: dict) -> None:
     assert tempered["step_logp_mismatch"] == pytest.approx(tempered["independent_mismatch"],
                                                            abs=1e-6)
     assert tempered["step_logp_mismatch"] < LOGPROB_TOLERANCE, tempered
+    # ... and the step's max is the largest per-token difference (all ranks, max-reduced).
+    assert tempered["step_logp_mismatch_max"] == pytest.approx(tempered["max_diff"], abs=1e-6)
     assert tempered["untempered_max_diff"] > 0.01, tempered
     # The step moved the trainer; the generator lagged until sync 2 made it follow.
     assert result["trainer_moved"] > 0.01
@@ -114,8 +66,13 @@ def _check_sync_results(result: dict) -> None:
     assert result["sync3_version"] == 3 and result["synced3_max_diff"] < LOGPROB_TOLERANCE
 
 
+def _run_worker(generator, layout: str, directory: Path) -> dict:
+    return run_worker("_weight_sync_worker.py", generator.server.settings.model_path,
+                      generator.url, layout, num_ranks=2, directory=directory, timeout_s=400)
+
+
 def test_weight_sync_llama_tp2(llama_generator, tmp_path):
-    result = _run_worker(llama_generator, "tp2", tmp_path, 29731)
+    result = _run_worker(llama_generator, "tp2", tmp_path)
     _check_sync_results(result)
     # The fallback transports reach the same server: colocated tensors (shared memory, reused
     # bucket buffers) and an HF folder on disk; each after a step that moved the trainer.
@@ -128,7 +85,7 @@ def test_weight_sync_llama_tp2(llama_generator, tmp_path):
 
 
 def test_weight_sync_qwen3_moe_tp2_ep2(qwen3_moe_generator, tmp_path):
-    _check_sync_results(_run_worker(qwen3_moe_generator, "tp2_ep2", tmp_path, 29732))
+    _check_sync_results(_run_worker(qwen3_moe_generator, "tp2_ep2", tmp_path))
 
 
 def test_generate_samples_logprobs_and_score_agree(llama_generator):
