@@ -33,9 +33,20 @@ def processes_left(*, model_dir: Path, driver_pid: int) -> list[str]:
     return left
 
 
-def run_train(args: list[str], *, cwd: Path, timeout: float) -> tuple[int, str, str, int]:
-    """`python -m megatron_rl.cli train ARGS` -> (return code, stdout, stderr, driver pid)."""
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=cwd,
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_llama_checkpoint(directory: Path) -> Path:
+    """tools/make_tiny_checkpoint.py's random tiny Llama (and tokenizer) in `directory`."""
+    subprocess.run([sys.executable, "tools/make_tiny_checkpoint.py", str(directory)], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    return directory
+
+
+def run_train(args: list[str], *, timeout: float) -> tuple[int, str, str, int]:
+    """`python -m megatron_rl.cli train ARGS` in the repository -> (return code, stdout, stderr,
+    driver pid)."""
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:

@@ -6,24 +6,20 @@ The independent check is parity: with the synchronous schedule every step's samp
 the weights the trainer held, so the train/generator log-prob mismatch stays at float noise on
 every step, which it would not if the release / resume cycle or the load into resumed memory
 lost or corrupted weights (or the KV cache of old weights were reused)."""
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
-from _checks import processes_left, run_train, scalars as read_scalars  # noqa: E402
+from _checks import (processes_left, run_train, scalars as read_scalars,  # noqa: E402
+                     tiny_llama_checkpoint)
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_megatron_rl_train_colocated_synchronous(tmp_path):
-    checkpoint = tmp_path / "tiny_llama"
-    subprocess.run([sys.executable, "tools/make_tiny_checkpoint.py", str(checkpoint)], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
+    checkpoint = tiny_llama_checkpoint(tmp_path / "tiny_llama")
     out = tmp_path / "run"
     rc, stdout, stderr, pid = run_train(
         ["examples/configs/tiny_pipeline.yaml", f"output_dir={out}",
@@ -31,7 +27,7 @@ def test_megatron_rl_train_colocated_synchronous(tmp_path):
          "cluster.colocated=true", "rollout.max_off_policyness=0", "train.num_steps=3",
          "eval.at_step_zero=false", "eval.interval_steps=0", "checkpoint.interval_steps=0",
          "algorithm.zero_variance_filter=false"],  # the random policy solves nothing
-        cwd=ROOT, timeout=1200)
+        timeout=1200)
     assert rc == 0, stdout[-3000:] + stderr[-6000:]
     scalars = read_scalars(out / "tensorboard")
     assert sorted(scalars["colocated/release_seconds"]) == [1, 2, 3]  # released every step

@@ -9,24 +9,20 @@ scaling log, TensorBoard and a checkpoint are written; and nothing outlives the 
 Ray process left in the process table).
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
-from _checks import processes_left, run_train, scalars as read_scalars  # noqa: E402
+from _checks import (processes_left, run_train, scalars as read_scalars,  # noqa: E402
+                     tiny_llama_checkpoint)
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_megatron_rl_train_tiny_pipeline(tmp_path):
-    checkpoint = tmp_path / "tiny_llama"
-    subprocess.run([sys.executable, "tools/make_tiny_checkpoint.py", str(checkpoint)], cwd=ROOT,
-                   check=True, capture_output=True, timeout=300)
+    checkpoint = tiny_llama_checkpoint(tmp_path / "tiny_llama")
     out = tmp_path / "run"
     rc, stdout, stderr, pid = run_train(
         ["examples/configs/tiny_pipeline.yaml", f"output_dir={out}",
@@ -35,7 +31,7 @@ def test_megatron_rl_train_tiny_pipeline(tmp_path):
          # variance and the filter would leave no step anything to train on: keep the groups
          # (zero advantages) so that every step runs the trainer and its parity check.
          "algorithm.zero_variance_filter=false"],
-        cwd=ROOT, timeout=1200)
+        timeout=1200)
     assert rc == 0, stdout[-3000:] + stderr[-6000:]
 
     lines = [json.loads(line) for line in (out / "scaling.jsonl").read_text().splitlines()]
