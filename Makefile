@@ -28,7 +28,7 @@ test-e2e: $(STAMP)
 	$(PYTEST) -m e2e tests
 
 demo: $(STAMP)
-	$(PY) -m examples.tiny_cpu.run
+	$(PY) -m examples.demo.run
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

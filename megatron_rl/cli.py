@@ -15,10 +15,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("megatron_rl.scaling.cli", "fit compute-scaling curves to validation logs"),
     "cost": ("megatron_rl.scaling.cost", "estimate GPU-hours and the generator:trainer split"),
     "convert": ("megatron_rl.convert", "convert checkpoints between HF and Megatron"),
+    "sft": ("megatron_rl.sft", "supervised cold start: cross-entropy on prompt + response pairs"),
 }
 # Subcommands that load torch / Megatron / transformers: they print the one-line environment
 # summary (megatron_rl.console); the light ones stay light.
-LOADS_THE_STACK = frozenset({"train", "convert"})
+LOADS_THE_STACK = frozenset({"train", "convert", "sft"})
 # Named in DESIGN.md but not built yet: say so instead of failing on a missing module.
 PLANNED: dict[str, str] = {
     "eval": "checkpoint evaluation: validation runs inside `megatron-rl train` for now",

@@ -212,7 +212,7 @@ class ModelConfig:
     name: str = _field("llama4", "model family registered in models/: llama (dense Llama-3), "
                        "llama4 or qwen3_moe")
     size: str = _field("tiny", "size variant of the family (llama: tiny, llama3_8b; llama4: tiny, "
-                       "scout, maverick; qwen3_moe: tiny, 30b_a3b)")
+                       "tiny_maverick, demo, scout, maverick; qwen3_moe: tiny, 30b_a3b)")
     hf_checkpoint: str | None = _field(None, "Hugging Face checkpoint directory to start from; "
                                        "null = random initialisation (tests, tiny runs)")
     params_dtype: Literal["bfloat16", "float32"] = _field(

@@ -99,6 +99,11 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         "Llama-4's released configs set both factors to 1.0 (transformers' llama3 RoPE handles "
         "it: no medium-frequency band); our llama4 family copies them",
         logger="transformers.modeling_rope_utils"),
+    KnownWarning(
+        "Token authentication is enabled for this Ray cluster.",
+        "Ray 2.60 announces that the local cluster it starts requires its auth token (the safe "
+        "default, kept; the cluster also listens on loopback only: cluster/runtime.py)",
+        logger="ray._private.authentication.authentication_token_setup"),
 )
 
 

@@ -101,16 +101,9 @@ class RunSetup:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def _prompt_ids(self, record) -> list[int]:
-        """The policy's prompt tokens (chat template when the tokenizer has one)."""
-        if getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": record.prompt}], add_generation_prompt=True,
-                tokenize=True))
-        return self.tokenizer.encode(record.prompt, add_special_tokens=True)
-
     def _load_data(self) -> None:
         from megatron_rl.data.split import split_heldout
+        from megatron_rl.data.tokenizer import prompt_token_ids
 
         cfg = self.cfg
         records = _load_records(cfg)
@@ -118,8 +111,8 @@ class RunSetup:
         train, heldout = split_heldout(records, num_heldout=cfg.eval.num_heldout_prompts,
                                        seed=cfg.seed)
         self.train_records, self.heldout_records = train, heldout
-        self.train_prompt_ids = [self._prompt_ids(r) for r in train]
-        self.heldout_prompt_ids = [self._prompt_ids(r) for r in heldout]
+        self.train_prompt_ids = [prompt_token_ids(self.tokenizer, r.prompt) for r in train]
+        self.heldout_prompt_ids = [prompt_token_ids(self.tokenizer, r.prompt) for r in heldout]
         limit = cfg.rollout.max_prompt_tokens
         too_long = [r.prompt_id for r, ids in zip(records, self.train_prompt_ids
                                                   + self.heldout_prompt_ids) if len(ids) > limit]
@@ -368,7 +361,9 @@ class RunSetup:
             - (self._paused_busy_s - paused_busy)
         out = {"perf/generator_busy_fraction": max(busy, 0.0) / (wall * len(activity)),
                "perf/generation_tokens_per_s":
-                   sum((a - b).tokens for a, b in zip(activity, before)) / wall}
+                   sum((a - b).tokens for a, b in zip(activity, before)) / wall,
+               # requests resent after a broken connection, whole run (async_client.py)
+               "rollout/reconnects": float(sum(client.reconnects for client in self.clients))}
         step_s = metrics.get("perf/step_seconds")
         if step_s:
             out["perf/trainer_idle_fraction"] = metrics.get("perf/trainer_wait_seconds",
@@ -415,9 +410,12 @@ class RunSetup:
 
         async def one(index: int, prompt: Sequence[int], sample: int):
             client = self.clients[index % len(self.clients)]
+            # Each sample its own seed (SamplingParams.seed), the same at every validation: the
+            # curve's points differ by the policy, not by the sampling noise.
+            sample_params = params.for_sample("eval", index, sample)
 
             def generate_one(ids, max_new_tokens):
-                return client.generate_one(ids, max_new_tokens, params,
+                return client.generate_one(ids, max_new_tokens, sample_params,
                                            extra_key=f"v{self.version}")
             return await generate_completion(
                 generate_one, prompt, settings=self.interruption,
@@ -442,3 +440,15 @@ class RunSetup:
         """After the last step: close the progress bar (fit the run's curve with
         `megatron-rl fit output_dir`)."""
         self._progress.close()
+
+
+def length_penalties(groups: Sequence, algorithm):
+    """DAPO's overlong penalty per sample [prompts x G, flat] for algorithm.length_penalty:
+    generated tokens (the forced-interruption phrase excluded, SCALERL.md section 5) against
+    length_penalty_max_length / _cache_length, on correct answers only; 0 elsewhere."""
+    from megatron_rl.algorithms import length_penalty
+
+    lengths = [sample.num_loss_tokens for group in groups for sample in group.samples]
+    passed = [result.passed for group in groups for result in group.results]
+    return length_penalty(lengths, passed, max_length=algorithm.length_penalty_max_length,
+                          cache_length=algorithm.length_penalty_cache_length)

@@ -18,7 +18,7 @@ from megatron_rl.config import ConfigError, RunConfig, load_config, save_config
 
 def train(cfg: RunConfig) -> None:
     from megatron_rl.algorithms import compute_advantages, group_keep_mask
-    from megatron_rl.run_setup import RunSetup
+    from megatron_rl.run_setup import RunSetup, length_penalties
     from megatron_rl.trainer.batch import TrainBatch
 
     with RunSetup.start(cfg) as run:
@@ -28,6 +28,8 @@ def train(cfg: RunConfig) -> None:
             started = time.perf_counter()
             groups = run.take_groups(cfg.prompts_per_step)  # generated while the last step ran
             rewards = run.rewards_of(groups)  # [prompts, G]; NaN where the verifier failed
+            if cfg.algorithm.length_penalty:  # DAPO's overlong penalty on correct answers
+                rewards = rewards + length_penalties(groups, cfg.algorithm).view_as(rewards)
             keep = group_keep_mask(rewards,
                                    zero_variance_filter=cfg.algorithm.zero_variance_filter)
             metrics = run.rollout_metrics(groups, rewards, keep)

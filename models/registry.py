@@ -89,7 +89,7 @@ _FAMILIES: dict[str, ModelFamily] = {
         ),
         ModelFamily(
             name="llama4",
-            sizes=("tiny", "tiny_maverick", "scout", "maverick"),
+            sizes=("tiny", "tiny_maverick", "scout", "maverick", "demo"),
             hf_architectures=("Llama4ForCausalLM", "Llama4ForConditionalGeneration"),
             module="models.llama4",
         ),

@@ -1,7 +1,8 @@
 """The ScaleRL algorithm core as pure tensor functions: advantages, zero-variance and verified
-(no failed verifier) group filtering, policy losses (CISPO, DAPO/GRPO, GSPO), loss aggregation
-with global denominators, the No-Positive-Resampling prompt sampler and length control. No
-Megatron, no processes: everything here is unit-tested with hand-computed values on CPU.
+(no failed verifier) group filtering, policy losses (CISPO, DAPO/GRPO, GSPO) and the SFT
+cross-entropy, loss aggregation with global denominators, the No-Positive-Resampling prompt
+sampler and length control. No Megatron, no processes: everything here is unit-tested with
+hand-computed values on CPU.
 """
 from megatron_rl.algorithms.advantages import NORMALIZATIONS, compute_advantages
 from megatron_rl.algorithms.aggregation import (
@@ -25,10 +26,12 @@ from megatron_rl.algorithms.length_control import (
 from megatron_rl.algorithms.losses import (
     DEFAULT_CLIP_RANGE,
     KINDS,
+    SFT_KIND,
     LossOutput,
     cispo_loss,
     clipped_surrogate_loss,
     compute_policy_loss,
+    cross_entropy_loss,
     gspo_loss,
 )
 from megatron_rl.algorithms.sampler import NoPositiveResamplingSampler
@@ -42,12 +45,14 @@ __all__ = [
     "AggregationDenominators",
     "LossOutput",
     "NoPositiveResamplingSampler",
+    "SFT_KIND",
     "aggregate_loss",
     "build_interrupted_completion",
     "cispo_loss",
     "clipped_surrogate_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "cross_entropy_loss",
     "group_keep_mask",
     "group_pass_rates",
     "gspo_loss",

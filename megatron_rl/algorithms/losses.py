@@ -1,9 +1,10 @@
 """Per-token policy-gradient losses between the trainer's log-probs and the generator's recorded
 (behaviour) log-probs: CISPO (ScaleRL's choice: truncated importance sampling, gradient only
 through log pi), the PPO-style clipped surrogate of GRPO and DAPO, and GSPO's sequence-level
-clipped ratio. Every loss returns a per-token value to be minimised plus per-token metrics; how
-tokens become a scalar is aggregation.py's job, so the losses never see batch structure (GSPO
-excepted: it needs each token's completion id for the sequence ratio).
+clipped ratio; plus the token cross-entropy of the supervised cold start (`megatron-rl sft`).
+Every loss returns a per-token value to be minimised plus per-token metrics; how tokens become a
+scalar is aggregation.py's job, so the losses never see batch structure (GSPO excepted: it needs
+each token's completion id for the sequence ratio).
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 KINDS = ("cispo", "dapo", "grpo", "gspo")
+# Not a policy loss: the supervised cold start (`megatron-rl sft`) through the same trainer.
+SFT_KIND = "sft"
 
 # Clip range per surrogate kind when compute_policy_loss gets no explicit eps_low/eps_high:
 # GRPO is symmetric 0.2; DAPO's "clip-higher" 0.2/0.28; GSPO clips a sequence-level ratio, which
@@ -126,6 +129,24 @@ def gspo_loss(
         clipped=clipped & mask,
         abs_logp_diff=_abs_logp_diff(logp, old_logp),
         sequence_ratio=sequence_ratio,
+    )
+
+
+def cross_entropy_loss(logp: torch.Tensor, *,
+                       loss_mask: torch.Tensor | None = None) -> LossOutput:
+    """Supervised fine-tuning: loss = -log pi(y_t) per token, the cross-entropy of the reference
+    tokens (response tokens only: the caller's mask is 0 on the prompt). No behaviour policy:
+    ratio 1, nothing clipped, no mismatch."""
+    if not isinstance(logp, torch.Tensor) or logp.dim() != 1 or not logp.is_floating_point():
+        raise ValueError("logp must be a 1-D floating-point per-token tensor [T], got "
+                         f"{getattr(logp, 'shape', type(logp))}")
+    mask = _loss_mask(loss_mask, logp)
+    logp = logp.to(torch.promote_types(logp.dtype, torch.float32))
+    return LossOutput(
+        token_loss=_masked(-logp, mask),
+        ratio=torch.ones_like(logp.detach()),
+        clipped=torch.zeros_like(mask),
+        abs_logp_diff=torch.zeros_like(logp.detach()),
     )
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from megatron_rl.data.records import PromptRecord
 
@@ -24,17 +25,8 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
     """All records of a .jsonl or .parquet prompt file, in file order; ids must be unique."""
     path = Path(path)
     if _format_of(path) == ".jsonl":
-        records = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}: "
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{where}not valid JSON ({exc.msg})") from None
-                records.append(PromptRecord.from_json(obj, where=where))
+        records = [PromptRecord.from_json(obj, where=where)
+                   for obj, where in iter_jsonl(path)]
     else:
         import pyarrow.parquet as pq
 
@@ -46,6 +38,21 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRecord]:
             records.append(PromptRecord.from_json(row, where=f"{path} row {number}: "))
     check_unique_ids(records, source=str(path))
     return records
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[Any, str]]:
+    """The JSON value of each non-blank line of a JSON Lines file, with a "file:line: " prefix for
+    errors about it; a line that is not JSON raises ValueError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}: "
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}not valid JSON ({exc.msg})") from None
+            yield obj, where
 
 
 def save_prompts(records: Iterable[PromptRecord], path: str | os.PathLike) -> None:

@@ -6,12 +6,21 @@ Requests and responses are those of `SGLangGenerator.generate` (token ids in and
 log-probs and policy versions); `extra_key` namespaces SGLang's prefix cache (the group's
 admission version: cached KV of other policy versions is never reused). Errors name the server.
 
+A connection that breaks before a response arrives is retried (`connection_retries` times, with
+backoff) before the server counts as dead: an HTTP server closes idle keep-alive connections
+(uvicorn after 5 s, e.g. across a weight update's pause), and a request sent on one at that moment
+fails with "Can not write request body" although the server is fine. A request the server did
+receive and then lost its connection is generated twice; the result kept is the retry's, with its
+own log-probs and versions. The client also drops its own idle connections after
+KEEPALIVE_S, sooner than the server does, which avoids most of these races.
+
 The client also keeps the generator's activity for the run's metrics (`activity()`): how long at
 least one request was in flight (the engine had work; a weight update's pause is subtracted by
 the caller, who knows it) and how many tokens came back.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -19,6 +28,8 @@ from collections.abc import Sequence
 from megatron_rl.rollout.sglang_server import _generation_result
 from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, GeneratorError,
                                        SamplingParams)
+
+KEEPALIVE_S = 2.0  # below uvicorn's 5 s keep-alive timeout (SGLang's HTTP server)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,9 +48,13 @@ class GeneratorActivity:
 class AsyncSGLangClient:
     """Use inside a running event loop; `close()` (or `async with`) releases its connections."""
 
-    def __init__(self, url: str, *, request_timeout_s: float = 300.0):
+    def __init__(self, url: str, *, request_timeout_s: float = 300.0,
+                 connection_retries: int = 3, backoff_s: float = 0.2):
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
+        self.connection_retries = connection_retries
+        self.backoff_s = backoff_s
+        self.reconnects = 0  # requests resent after a broken connection (all time)
         self._session = None
         self._in_flight = 0
         self._busy_since = 0.0
@@ -81,7 +96,8 @@ class AsyncSGLangClient:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s))
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
+                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
         return self._session
 
     async def generate_one(self, input_ids: Sequence[int], max_new_tokens: int,
@@ -107,15 +123,26 @@ class AsyncSGLangClient:
     async def _post_generate(self, payload: dict, input_ids: Sequence[int]) -> GenerationResult:
         import aiohttp
 
+        for attempt in range(self.connection_retries + 1):
+            try:
+                return await self._post_generate_once(payload, input_ids)
+            except aiohttp.ClientConnectionError as exc:
+                if attempt == self.connection_retries:
+                    raise GeneratorDeadError(
+                        f"SGLang server {self.url} does not answer /generate (after "
+                        f"{attempt + 1} attempts): {exc.__class__.__name__}: {exc}") from None
+                self.reconnects += 1
+                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    async def _post_generate_once(self, payload: dict,
+                                  input_ids: Sequence[int]) -> GenerationResult:
         try:
             async with self._client().post(f"{self.url}/generate", json=payload) as response:
                 if response.status >= 400:
                     raise GeneratorError(f"SGLang server {self.url}: /generate failed with HTTP "
                                          f"{response.status}: {(await response.text())[:2000]}")
                 out = await response.json()
-        except aiohttp.ClientConnectionError as exc:
-            raise GeneratorDeadError(f"SGLang server {self.url} does not answer /generate: "
-                                     f"{exc.__class__.__name__}: {exc}") from None
         except TimeoutError:
             raise GeneratorError(f"SGLang server {self.url}: /generate timed out after "
                                  f"{self.request_timeout_s:.0f} s") from None

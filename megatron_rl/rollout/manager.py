@@ -186,12 +186,16 @@ class RolloutManager:
         client = self.clients[group_id % len(self.clients)]
         extra_key = f"v{version}"  # no cached KV of another policy version is ever reused
 
-        def generate_one(input_ids, max_new_tokens):
-            return client.generate_one(input_ids, max_new_tokens, self.params,
-                                       extra_key=extra_key)
+        def sampler_of(k: int):  # each sample its own seed: see SamplingParams.seed
+            params = self.params.for_sample("train", group_id, k)
+
+            def generate_one(input_ids, max_new_tokens):
+                return client.generate_one(input_ids, max_new_tokens, params,
+                                           extra_key=extra_key)
+            return generate_one
 
         samples = await asyncio.gather(*(
-            generate_completion(generate_one, self.prompt_token_ids[prompt_index],
+            generate_completion(sampler_of(k), self.prompt_token_ids[prompt_index],
                                 settings=self.interruption,
                                 rng=random.Random(f"{self.seed}/{group_id}/{k}"),
                                 group_id=group_id, sample_index=k)

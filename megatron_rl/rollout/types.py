@@ -42,7 +42,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     num_samples: int = 1  # completions per prompt (G of the group)
-    seed: int | None = None  # per-request sampling seed (reproducible sampling)
+    # Sampling seed (reproducible sampling). SGLang draws the noise of a seeded request from
+    # (seed, position, token) alone (sglang/srt/layers/sampler.py multinomial_with_seed), so two
+    # requests with one seed and one prompt sample the SAME completion: every sample of a group
+    # needs its own seed (`for_sample`).
+    seed: int | None = None
     purpose: str = "train"  # train | eval; not sent to SGLang
 
     def __post_init__(self) -> None:
@@ -85,6 +89,14 @@ class SamplingParams:
         return cls(max_new_tokens=max_new_tokens, temperature=rollout.temperature,
                    top_p=rollout.top_p, num_samples=rollout.samples_per_prompt,
                    purpose="train", **fields)
+
+    def for_sample(self, *key: object) -> "SamplingParams":
+        """These parameters with a seed of this sample's own, derived from `seed` and `key`
+        (e.g. the group id and sample index); unseeded parameters stay unseeded (SGLang's own
+        random stream already differs per request)."""
+        if self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=derive_seed(self.seed, *key))
 
     def to_sglang(self) -> dict:
         params = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -156,3 +168,11 @@ def logprob_mismatch(train_logprobs: torch.Tensor, generator_logprobs: torch.Ten
     if train_logprobs.numel() == 0:
         raise ValueError("no tokens to compare")
     return float((train_logprobs.double() - generator_logprobs.double()).abs().mean())
+
+
+def derive_seed(*key: object) -> int:
+    """A 31-bit seed from `key`, stable across processes and Python versions (no hash())."""
+    import hashlib
+
+    digest = hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31

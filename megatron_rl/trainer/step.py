@@ -11,6 +11,10 @@ all refer to the sampling distribution. With fp32_lm_head=False (model.fp32_lm_h
 of SCALERL.md section 6) the head's logits GEMM runs in the model's params dtype and only the
 log-softmax and entropy in FP32, as megatron-core's own output layer and cross-entropy do.
 
+The same pass trains the supervised cold start (`LossSettings.kind="sft"`, megatron_rl/sft.py):
+the token loss is then -log pi(y_t) of the reference response tokens (old log-probs and advantages
+unused), aggregated like any other loss; at temperature 1 this is the plain cross-entropy.
+
 Exact aggregation. Each token's loss is multiplied by `token_weights(...)`, built from
 denominators counted over the WHOLE global batch, so a micro-batch's scalar loss is its share of
 the global aggregate. Megatron is configured (model.py) with calculate_per_token_loss=True and an
@@ -39,7 +43,7 @@ _STATS = ("loss", "num_loss_tokens", "num_clipped", "ratio", "abs_logp_diff", "e
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class LossSettings:
-    kind: str = "cispo"  # cispo | dapo | grpo | gspo
+    kind: str = "cispo"  # cispo | dapo | grpo | gspo; or "sft": token cross-entropy (cold start)
     aggregation: str = "prompt"  # prompt | sample | token
     eps_max: float = 5.0
     eps_low: float | None = None  # None: the kind's default clip range (algorithms)
@@ -146,7 +150,8 @@ def _fp32_logprob_head(*, hidden_states, output_layer, output_weight, context: M
 
 def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings: LossSettings):
     """(loss, token count, reduced stats) in Megatron's calculate_per_token_loss convention."""
-    from megatron_rl.algorithms import compute_policy_loss, token_weights
+    from megatron_rl.algorithms import (SFT_KIND, compute_policy_loss, cross_entropy_loss,
+                                        token_weights)
 
     mask = micro_batch.loss_mask
     num_loss_tokens = int(mask.sum())
@@ -159,10 +164,13 @@ def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings
     sample_index = micro_batch.sample_index[mask]
     prompt_index = micro_batch.prompt_index[mask]
     ones = torch.ones_like(sample_index, dtype=torch.bool)
-    out = compute_policy_loss(
-        settings.kind, logp, micro_batch.old_logprobs[mask], micro_batch.advantages[mask],
-        sample_index=sample_index, loss_mask=ones, eps_max=settings.eps_max,
-        eps_low=settings.eps_low, eps_high=settings.eps_high)
+    if settings.kind == SFT_KIND:
+        out = cross_entropy_loss(logp, loss_mask=ones)
+    else:
+        out = compute_policy_loss(
+            settings.kind, logp, micro_batch.old_logprobs[mask], micro_batch.advantages[mask],
+            sample_index=sample_index, loss_mask=ones, eps_max=settings.eps_max,
+            eps_low=settings.eps_low, eps_high=settings.eps_high)
     weights = token_weights(settings.aggregation, ones, sample_index, prompt_index, denominators)
     loss = (out.token_loss * weights).sum()
     stats[_STATS.index("loss")] = loss.detach().double()

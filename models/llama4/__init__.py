@@ -1,5 +1,6 @@
-"""Llama-4 (Scout 17B x 16E, Maverick 17B x 128E, tiny test sizes) for Megatron: config factory
-(config.py), Llama-4 attention submodules (attention.py), layer spec and model build (spec.py).
+"""Llama-4 (Scout 17B x 16E, Maverick 17B x 128E, tiny test sizes, the demo's base size) for
+Megatron: config factory (config.py), Llama-4 attention submodules (attention.py), layer spec and
+model build (spec.py); the HF <-> Megatron mapping and SGLang's checkpoint layout (convert.py).
 """
 from models.llama4.config import (
     SIZES,

@@ -10,10 +10,14 @@ and `feed_forward.experts.down_proj` [E, I, H], and the always-on
 `linear_qkv` (per KV group: q heads, k, v), `input_layernorm`, `pre_mlp_layernorm`, per-expert
 nn.Linear-layout `mlp.experts.local_experts.{e}.linear_fc{1,2}`, `mlp.shared_experts`, and
 `mlp.linear_fc{1,2}` on dense layers. q/k L2 norms have no weights; RoPE needs no permutation
-(Megatron's interleaved RoPE is HF's complex-pair rotation).
+(Megatron's interleaved RoPE is HF's complex-pair rotation). `write_sglang_layout` re-saves a
+text-only export in the multimodal layout SGLang 0.5.23 needs to serve Llama-4.
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,6 +76,54 @@ def text_only_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     text = hf_text_config_from_dict(config).to_dict()
     text["architectures"] = ["Llama4ForCausalLM"]
     return text
+
+
+def write_sglang_layout(text_checkpoint: str | os.PathLike, output_dir: str | os.PathLike,
+                        *, dtype: torch.dtype | None = None) -> Path:
+    """Re-save a text-only Llama4ForCausalLM folder (what Megatron -> HF writes) in the layout
+    SGLang serves Llama-4 from, and return `output_dir`.
+
+    SGLang 0.5.23 loads a Llama4ForCausalLM with its Llama loader, which skips the fused expert
+    tensors ("Parameter ... not found in params_dict") and leaves q/k unpermuted; its
+    Llama4ForConditionalGeneration loader un-fuses the experts and permutes q/k for its
+    rotate-half RoPE. So: a Llama4ForConditionalGeneration config.json (this text config plus
+    transformers' default vision config) and the same tensors under "language_model." in one
+    safetensors file, without vision weights (with no index listing any, SGLang builds no vision
+    tower); the other files (tokenizer) are copied. `dtype` None keeps the stored dtypes. Every
+    tensor is held in memory at once: meant for small models (the demo's base model). The HF ->
+    Megatron converter reads this layout as well (`hf_weight_prefix`).
+    """
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import Llama4Config
+
+    source, output = Path(text_checkpoint), Path(output_dir)
+    config = json.loads((source / "config.json").read_text())
+    if config.get("architectures") != ["Llama4ForCausalLM"]:
+        raise ValueError(f"{source}/config.json describes {config.get('architectures')}, not a "
+                         "text-only Llama4ForCausalLM (Megatron -> HF writes one)")
+    tensors = {}
+    for path in sorted(source.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                tensors[f"language_model.{name}"] = tensor if dtype is None else tensor.to(dtype)
+    if not tensors:
+        raise ValueError(f"{source} has no *.safetensors weights")
+    output.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(path, output / path.name)
+    save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
+    stored = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    text = hf_text_config_from_dict(config).to_dict()
+    served = Llama4Config(text_config=text).to_dict()
+    served.update(architectures=[_MULTIMODAL], torch_dtype=stored)
+    (output / "config.json").write_text(json.dumps(served, indent=2, sort_keys=True) + "\n")
+    return output
 
 
 def weight_groups(hf: Llama4TextConfig, *, prefix: str = "") -> list[WeightGroup]:

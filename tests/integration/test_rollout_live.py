@@ -144,6 +144,9 @@ def test_rollout_manager_admits_under_the_bound_and_scores_with_the_verifier(lla
     for group in groups:
         assert len(group.samples) == 3 and len(group.results) == 3
         assert group.oldest_version == 0 and group.admission_version == 0
+        # Seeded sampling, each sample its own seed: the random tiny model's near-flat
+        # distribution gives three different completions (one seed for all gave three copies).
+        assert len({sample.token_ids for sample in group.samples}) == 3, group.samples
         for sample, result in zip(group.samples, group.results):
             assert sample.group_id == group.group_id and sample.num_loss_tokens > 0
             assert result.reward is not None and not result.verifier_failed

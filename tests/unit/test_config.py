@@ -346,20 +346,21 @@ def test_docs_and_default_recipe_are_generated_from_the_code():
     assert "| `eps_max` | `null` |" in docs and "| `adam_eps` | `1.0e-15` |" in docs
 
 
-def test_tiny_cpu_recipe():
-    cfg = load_config(ROOT / "examples/configs/tiny_cpu.yaml")
-    assert 1 <= cfg.parallelism.world_size <= 4
-    assert (cfg.model.name, cfg.model.size) == ("llama4", "tiny")
-    assert cfg.train.global_batch_size <= 64 and cfg.rollout.samples_per_prompt <= 8
-    assert cfg.rollout.max_sequence_tokens <= 256  # the tiny model's positions
+def test_demo_recipe():
+    cfg = load_config(ROOT / "examples/configs/demo.yaml")
+    assert (cfg.model.name, cfg.model.size) == ("llama4", "demo")
+    assert cfg.parallelism.world_size == 1 and cfg.rollout.num_generators == 1
+    assert cfg.rollout.max_off_policyness >= 1  # the asynchronous schedule, not a synchronous one
+    assert cfg.rollout.forced_interruption
+    assert cfg.rollout.max_sequence_tokens <= 512  # the demo model's positions
     assert cfg.rollout.attention_backend == "torch_native"
-    # what it does not set stays the ScaleRL default
+    # the ScaleRL recipe itself: what the demo does not set stays the default
     assert cfg.algorithm == RunConfig().algorithm
     assert cfg.optimizer == RunConfig().optimizer
 
 
 def test_command_line_prints_the_resolved_config(capsys, tmp_path):
-    recipe = str(ROOT / "examples/configs/tiny_cpu.yaml")
+    recipe = str(ROOT / "examples/configs/demo.yaml")
     assert config_module.main([recipe, "train.lr=2e-5"]) == 0
     out = capsys.readouterr().out
     path = tmp_path / "printed.yaml"

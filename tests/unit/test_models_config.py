@@ -28,7 +28,7 @@ def models_pkg():
 def test_registry_names_and_unknown_name_error(models_pkg):
     assert models_pkg.list_model_families() == ("llama", "llama4", "qwen3_moe")
     llama4 = models_pkg.get_model_family("llama4")
-    assert llama4.sizes == ("tiny", "tiny_maverick", "scout", "maverick")
+    assert llama4.sizes == ("tiny", "tiny_maverick", "scout", "maverick", "demo")
     assert llama4.hf_architectures == ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
     assert models_pkg.get_model_family("qwen3_moe").hf_architectures == ("Qwen3MoeForCausalLM",)
     llama = models_pkg.get_model_family("llama")

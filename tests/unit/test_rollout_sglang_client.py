@@ -327,6 +327,19 @@ def test_training_sampling_params_from_the_run_config():
     assert params.max_new_tokens == 32 and params.seed == 3
 
 
+async def _stand_in_generate_server(generate):
+    """An in-process aiohttp server answering POST /generate with `generate` -> (url, runner)."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return f"http://127.0.0.1:{port}", runner
+
+
 def test_async_client_activity_counts_the_union_of_requests_in_flight_and_their_tokens():
     """Busy time is wall time with at least one request in flight (two overlapping requests
     count once), tokens are what came back. The server is an in-process aiohttp stand-in that
@@ -348,13 +361,8 @@ def test_async_client_activity_counts_the_union_of_requests_in_flight_and_their_
             "weight_versions": [{"version": "0", "start": 0, "end": n}]}})
 
     async def scenario():
-        app = web.Application()
-        app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        client = AsyncSGLangClient(f"http://127.0.0.1:{port}")
+        url, runner = await _stand_in_generate_server(generate)
+        client = AsyncSGLangClient(url)
         params = SamplingParams(max_new_tokens=1, purpose="eval")
         try:
             start = client.activity()
@@ -378,3 +386,53 @@ def test_async_client_activity_counts_the_union_of_requests_in_flight_and_their_
     assert 0.3 <= between.busy_s <= overlapped
     assert total.tokens == 6 and total.requests == 3
     assert total.busy_s >= between.busy_s + 0.1
+
+
+def test_async_client_resends_after_a_broken_connection_and_names_a_dead_server():
+    """An HTTP server closes idle keep-alive connections (uvicorn after 5 s); a request written
+    to one at that moment fails although the server is fine. The stand-in (in-process aiohttp,
+    bookkeeping only) drops the connection of the first two requests without answering: the
+    client resends and returns the third answer; a server that never answers is named dead after
+    its retries."""
+    import asyncio
+
+    from aiohttp import web
+
+    from megatron_rl.rollout.async_client import AsyncSGLangClient
+
+    calls = []
+
+    async def generate(request):
+        calls.append(await request.json())
+        if len(calls) <= 2:
+            request.transport.close()  # the connection breaks before a response
+            await asyncio.sleep(0.1)
+        return web.json_response({"output_ids": [7], "meta_info": {
+            "finish_reason": {"type": "length", "length": 1},
+            "output_token_logprobs": [[-0.5, 7, None]],
+            "weight_versions": [{"version": "2", "start": 0, "end": 1}]}})
+
+    async def scenario():
+        url, runner = await _stand_in_generate_server(generate)
+        params = SamplingParams(max_new_tokens=1, purpose="eval")
+        try:
+            async with AsyncSGLangClient(url, backoff_s=0.01) as client:
+                result = await client.generate_one([1, 2], 1, params)
+                return result, client.reconnects, client.activity()
+        finally:
+            await runner.cleanup()
+
+    result, reconnects, activity = asyncio.run(scenario())
+    assert result.token_ids == (7,) and result.versions == (2,)
+    assert reconnects == 2 and len(calls) == 3 and activity.requests == 1
+
+    async def dead():
+        url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        async with AsyncSGLangClient(url, connection_retries=2, backoff_s=0.01) as client:
+            try:
+                await client.generate_one([1], 1, SamplingParams(max_new_tokens=1))
+            finally:
+                assert client.reconnects == 2
+
+    with pytest.raises(GeneratorDeadError, match=r"does not answer /generate \(after 3 attempts"):
+        asyncio.run(dead())

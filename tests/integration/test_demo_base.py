@@ -1,0 +1,130 @@
+"""The demo's base model build (tools/make_demo_base.py) end to end in its own processes, and the
+Llama-4 "demo" size served by the real SGLang CPU engine in the layout the build writes.
+
+Determinism: the whole build (task data, tokenizer, random init, `megatron-rl sft` through the
+Megatron trainer, export through the converter, SGLang layout) run twice, shortened to 2 SFT
+steps on 64 examples, writes byte-identical files.
+
+Serving: a random demo-size model (initializer_range 0.1: peaked distributions, so that a wrong
+mechanism moves log-probs by far more than bf16 noise), written by `write_sglang_layout` in bf16,
+scored by SGLang on sequences 8 tokens longer than one attention chunk (two chunks; the NoPE
+layer reads across them) against transformers computing in FP32 on the same bf16 weights. Both engines compute in
+bf16, whose rounding alone moves a log-prob by up to 0.4 on this model (transformers' own bf16 run
+vs its FP32 run; mean 0.02), so SGLang must stay within MEAN_TOLERANCE on average and within 1.5x
+transformers' own bf16 worst case (measured: mean 0.018, max 0.20). The same check against
+transformers with chunking switched off fails by far more past the first chunk (measured: mean
+1.15), so the comparison sees the chunked attention.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+MEAN_TOLERANCE = 0.03
+SHORT_BUILD = ["--num-steps", "2", "--num-sft-examples", "64", "--num-rl-prompts", "32",
+               "--no-progress"]
+
+
+def _build(output: Path) -> Path:
+    done = subprocess.run([sys.executable, "tools/make_demo_base.py", str(output), *SHORT_BUILD],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return output
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_rebuilding_the_demo_base_writes_identical_files(tmp_path):
+    first, second = _build(tmp_path / "first"), _build(tmp_path / "second")
+    for part in ("model", "init"):
+        files = _files(first / part)
+        assert "model.safetensors" in files and "tokenizer.json" in files
+        assert files == _files(second / part), part
+    for name in ("prompts.jsonl", "sft_data.jsonl"):
+        assert (first / name).read_bytes() == (second / name).read_bytes()
+    record = json.loads((first / "build.json").read_text())
+    assert record["sha256"] == json.loads((second / "build.json").read_text())["sha256"]
+    # The SFT steps changed the weights: the export is not the random initialisation.
+    from safetensors.torch import load_file
+
+    init = load_file(str(first / "init/model.safetensors"))
+    trained = load_file(str(first / "model/model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(init[name].to(torch.bfloat16), trained[f"language_model.{name}"])
+
+
+@pytest.fixture(scope="module")
+def served_demo_size(tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_rl.rollout import SGLangGenerator, SGLangServer, SGLangServerSettings
+    from models import get_model_family
+    from models.llama4.convert import write_sglang_layout
+
+    directory = tmp_path_factory.mktemp("demo_size")
+    config_dict = dict(get_model_family("llama4").hf_config("demo"), initializer_range=0.1)
+    model_type = config_dict.pop("model_type")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config_dict))
+    model.to(torch.bfloat16).save_pretrained(directory / "text")
+    served = write_sglang_layout(directory / "text", directory / "served")
+    server = SGLangServer.launch(SGLangServerSettings(
+        model_path=str(served), dtype="bfloat16", mem_fraction_static=0.05,
+        max_total_tokens=4096, startup_timeout_s=240, request_timeout_s=120,
+        log_path=str(directory / "server.log")))
+    try:
+        yield directory / "text", SGLangGenerator(server.url, server=server)
+    finally:
+        server.shutdown()
+
+
+def _transformers_logprobs(model_dir: Path, sequences, *, dtype=torch.float32,
+                           **config_changes) -> torch.Tensor:
+    """log pi(token t | tokens < t) [num_sequences, length - 1] from transformers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor(sequences)).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(2, torch.tensor(sequences)[:, 1:, None])[..., 0]
+
+
+def test_sglang_serves_the_demo_size_like_transformers(served_demo_size):
+    model_dir, generator = served_demo_size
+    gen = torch.Generator().manual_seed(3)
+    # Ids below 250: SGLang 0.5.23 reads the last id of this 256-token vocabulary (255) back as 0
+    # (seen in input_token_logprobs); the demo tokenizer has 246 tokens, so never sends it.
+    from models import get_model_family
+
+    chunk = get_model_family("llama4").hf_config("demo")["attention_chunk_size"]
+    sequences = [torch.randint(4, 250, (chunk + 8,), generator=gen).tolist() for _ in range(4)]
+    served = torch.stack(generator.score(sequences))
+    reference = _transformers_logprobs(model_dir, sequences)
+    # bf16 compute rounds activations: transformers' own bf16 run is the noise yardstick.
+    noise = (_transformers_logprobs(model_dir, sequences, dtype=torch.bfloat16)
+             - reference).abs()
+    error = (served - reference).abs()
+    print(f"|sglang - fp32|: mean {error.mean():.4f} max {error.max():.4f}; transformers bf16: "
+          f"mean {noise.mean():.4f} max {noise.max():.4f}")
+    assert error.mean() < MEAN_TOLERANCE and error.max() <= 1.5 * noise.max()
+    # Positions past the first chunk differ without chunked attention: the check sees it.
+    unchunked = _transformers_logprobs(model_dir, sequences, attention_chunk_size=4096)
+    gap = (served - unchunked).abs()
+    print(f"|sglang - fp32 without chunks| past position {chunk}: "
+          f"mean {gap[:, chunk:].mean():.4f}")
+    assert gap[:, chunk:].mean() > 10 * MEAN_TOLERANCE
+    assert gap[:, :chunk - 1].mean() < MEAN_TOLERANCE  # the first chunk is the same either way
