@@ -59,6 +59,7 @@ def main(argv: list[str]) -> int:
             return 1
     from megatron_rl.train import main as train_main
 
+    keep_previous_run(Path(cfg.output_dir))
     code = train_main([str(RECIPE), *argv])
     if code != 0:
         return code
@@ -67,6 +68,16 @@ def main(argv: list[str]) -> int:
     print(f"\ndemo done in {(time.perf_counter() - started) / 60:.1f} min; outputs in {out}/; "
           f"watch it with: tensorboard --logdir {out / 'tensorboard'}")
     return 0
+
+
+def keep_previous_run(out: Path) -> None:
+    """A second `make demo` must not mix its curve with the last one's (the scaling log appends
+    and the report reads it whole): move an earlier run's output_dir aside, never delete it."""
+    if not (out / "scaling.jsonl").exists():
+        return
+    aside = out.with_name(f"{out.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+    out.rename(aside)
+    print(f"moved the previous run in {out} to {aside}", flush=True)
 
 
 def report(out: Path, cfg) -> None:
