@@ -403,20 +403,17 @@ class RunSetup:
         import random
 
         from megatron_rl.rollout import SamplingParams
-        from megatron_rl.rollout.interruption import generate_completion
+        from megatron_rl.rollout.interruption import bind_generate, generate_completion
 
         params = SamplingParams(max_new_tokens=1, temperature=self.cfg.rollout.temperature,
                                 seed=self.cfg.seed, purpose="eval")
 
         async def one(index: int, prompt: Sequence[int], sample: int):
-            client = self.clients[index % len(self.clients)]
             # Each sample its own seed (SamplingParams.seed), the same at every validation: the
             # curve's points differ by the policy, not by the sampling noise.
-            sample_params = params.for_sample("eval", index, sample)
-
-            def generate_one(ids, max_new_tokens):
-                return client.generate_one(ids, max_new_tokens, sample_params,
-                                           extra_key=f"v{self.version}")
+            generate_one = bind_generate(self.clients[index % len(self.clients)],
+                                         params.for_sample("eval", index, sample),
+                                         extra_key=f"v{self.version}")
             return await generate_completion(
                 generate_one, prompt, settings=self.interruption,
                 rng=random.Random(f"eval/{index}/{sample}"), group_id=index, sample_index=sample)

@@ -184,7 +184,7 @@ def evaluate(output_dir: str | Path, *, num_prompts: int, num_samples: int, eval
                 row = row[:row.index(tokenizer.eos_token_id)]
             text = tokenizer.decode(row)
             result = reward(text, record)
-            passed.append(result.pass_fraction >= 1.0)
+            passed.append(result.passed)
             think_lengths.append(row.index(think_end) + 1 if think_end in row else len(row))
             if len(examples) < 6:
                 examples.append({"prompt": record.prompt.split("\n")[0], "completion": text,

@@ -94,7 +94,7 @@ def report(out: Path, cfg) -> None:
           f"{cfg.eval.num_heldout_prompts} prompts): step {series.step[0]} {first:.3f} -> "
           f"step {series.step[-1]} {last:.3f} ({last - first:+.3f})")
     show_interruptions(out, cfg)
-    fit_and_predict(out, cfg)
+    fit_and_predict(out, cfg, series)
 
 
 def show_interruptions(out: Path, cfg, steps: int = 3) -> None:
@@ -135,15 +135,13 @@ def _one_line(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
-def fit_and_predict(out: Path, cfg) -> None:
+def fit_and_predict(out: Path, cfg, series) -> None:
     """`megatron-rl fit` on the run's curve with the first half of the compute held for the
     prediction: its tables, plots, and one line of predicted vs observed final pass rate."""
     from megatron_rl.scaling.cli import main as fit_main
-    from megatron_rl.scaling.log import read_scaling_log
     from megatron_rl.scaling.report import extrapolation_report
     from megatron_rl.scaling.sigmoid import SigmoidFitConfig, fit_point_mask
 
-    series = read_scaling_log(out)["all"]
     warmup = cfg.eval.warmup_compute_gpu_hours
     config = SigmoidFitConfig(warmup_compute=warmup)
     half = series.compute_gpu_hours <= 0.5 * series.compute_gpu_hours[-1]

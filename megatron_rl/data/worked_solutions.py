@@ -77,8 +77,9 @@ def unique_reasoning_gym_prompts(dataset: str, *, num_prompts: int, seed: int,
         if num_generated >= 20 * (num_prompts + len(excluded)):
             raise ValueError(
                 f"only {len(kept)} distinct prompts of rg/{dataset} with config "
-                f"{dict(config or {})} among {num_generated} generated (excluding {len(excluded)}); the task has too "
-                f"few distinct problems for {num_prompts}: ask for fewer or widen the config")
+                f"{dict(config or {})} among {num_generated} generated (excluding "
+                f"{len(excluded)}); the task has too few distinct problems for {num_prompts}: "
+                "ask for fewer or widen the config")
         # Item i depends only on (seed, i): generate the next, doubling, range of indices.
         size = max(2 * num_generated, 2 * num_prompts, 64)
         try:

@@ -30,12 +30,20 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from megatron_rl.algorithms.length_control import sample_thinking_budget
 from megatron_rl.rollout.samples import RolloutSample, Segment, assemble_sample
-from megatron_rl.rollout.types import GenerationResult, GeneratorError
+from megatron_rl.rollout.types import GenerationResult, GeneratorError, SamplingParams
 
 # (input token ids, max new tokens) -> one completion of them.
 GenerateOne = Callable[[Sequence[int], int], Awaitable[GenerationResult]]
 # Consecutive aborted requests that returned no token before a completion is given up.
 MAX_IDLE_ABORTS = 8
+
+
+def bind_generate(client, params: SamplingParams, *, extra_key: str | None) -> GenerateOne:
+    """The GenerateOne of one sample: `client.generate_one` (AsyncSGLangClient) with the sample's
+    sampling parameters (its own seed: SamplingParams.for_sample) and prefix-cache key."""
+    def generate_one(input_ids: Sequence[int], max_new_tokens: int):
+        return client.generate_one(input_ids, max_new_tokens, params, extra_key=extra_key)
+    return generate_one
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

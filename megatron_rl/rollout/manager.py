@@ -21,7 +21,8 @@ import dataclasses
 import random
 from collections.abc import Callable, Sequence
 
-from megatron_rl.rollout.interruption import InterruptionSettings, generate_completion
+from megatron_rl.rollout.interruption import (InterruptionSettings, bind_generate,
+                                               generate_completion)
 from megatron_rl.rollout.samples import RolloutSample
 from megatron_rl.rollout.staleness import AdmissionGate, TakeDecision
 from megatron_rl.rollout.types import SamplingParams
@@ -186,16 +187,11 @@ class RolloutManager:
         client = self.clients[group_id % len(self.clients)]
         extra_key = f"v{version}"  # no cached KV of another policy version is ever reused
 
-        def sampler_of(k: int):  # each sample its own seed: see SamplingParams.seed
-            params = self.params.for_sample("train", group_id, k)
-
-            def generate_one(input_ids, max_new_tokens):
-                return client.generate_one(input_ids, max_new_tokens, params,
-                                           extra_key=extra_key)
-            return generate_one
-
         samples = await asyncio.gather(*(
-            generate_completion(sampler_of(k), self.prompt_token_ids[prompt_index],
+            generate_completion(bind_generate(  # each sample its own seed: SamplingParams.seed
+                                    client, self.params.for_sample("train", group_id, k),
+                                    extra_key=extra_key),
+                                self.prompt_token_ids[prompt_index],
                                 settings=self.interruption,
                                 rng=random.Random(f"{self.seed}/{group_id}/{k}"),
                                 group_id=group_id, sample_index=k)
