@@ -3,21 +3,34 @@ stdin/stdout tests and HumanEval-style function-call tests in the sandbox. The r
 the pass fraction; the reason is "correct" when every test passes, else the first failing test's
 reason (wrong, timeout, runtime_error, memory_limit, ... see Reason).
 
-Function-call tests run inside the program's own interpreter (that is what `check(candidate)`
-needs), so a program that deliberately tampers with the harness in-process could fake a pass;
-the harness does count leaving early (sys.exit / os._exit before the tests finish) as failure.
-stdin/stdout tests are compared here, outside the sandbox, and cannot be faked that way.
+No expected value ever enters the sandbox. A function-call test made of plain asserts
+(`assert candidate(<literals>) == <literal>`, `assert candidate(...)`, `assert not ...`, inside
+HumanEval's `def check(candidate)` or at top level) becomes a list of `FunctionCall`s: the
+sandbox returns the program's return values as plain data and they are compared here. Any other
+test runs in the sandbox's checker, a separate clean interpreter that sees the program's
+functions only through plain-data calls (sandbox.py). stdin/stdout tests are compared here too.
 
 If the sandbox fails on any test (`sandbox_error`), the whole result is `sandbox_error` (no
 reward): a pass fraction with tests that never ran would grade the completion on part of its tests.
+Nothing a program does can produce `sandbox_error`: what it can write is parsed as its own output.
 """
 from __future__ import annotations
 
+import ast
+import builtins
 import dataclasses
 import re
+from typing import Any
 
 from megatron_rl.data.records import CodeTests, StdioTest
-from megatron_rl.rewards.sandbox import ExecutionRequest, ExecutionResult, Sandbox, SandboxLimits
+from megatron_rl.rewards.sandbox import (
+    CallOutcome,
+    ExecutionRequest,
+    ExecutionResult,
+    FunctionCall,
+    Sandbox,
+    SandboxLimits,
+)
 from megatron_rl.rewards.types import (
     THINK_END,
     VERIFIER_FAILURES,
@@ -71,29 +84,215 @@ def _stdio_outcome(test: StdioTest, result: ExecutionResult) -> tuple[Reason, st
     return Reason.WRONG, f"expected {test.expected_stdout[:60]!r}, got {result.stdout[:60]!r}"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallCheck:
+    """One assert of a converted test: the call, and what its outcome must be."""
+
+    call: FunctionCall
+    expect: str          # "==", "is", "truthy" or "falsy"
+    expected: Any = None
+
+    def passes(self, outcome: CallOutcome | None) -> bool:
+        if outcome is None or not outcome.returned:
+            return False
+        if self.expect == "==":
+            return _equal(outcome.value, self.expected)
+        if self.expect == "is":
+            return outcome.value is self.expected
+        return bool(outcome.value) == (self.expect == "truthy")
+
+
+def _equal(value: Any, expected: Any) -> bool:
+    """`==` of two plain-data values (built-in types only: no program code runs here)."""
+    try:
+        return bool(value == expected)
+    except RecursionError:
+        return False
+
+
+def _literal(node: ast.expr) -> tuple[bool, Any]:
+    try:
+        return True, ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False, None
+
+
+def _call_of(node: ast.expr, names: set[str]) -> FunctionCall | None:
+    """`f(<literals>, k=<literal>)` with f in `names` (the call's function is the program's)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in names):
+        return None
+    args, kwargs = [], []
+    for arg in node.args:
+        ok, value = _literal(arg)
+        if not ok or isinstance(arg, ast.Starred):
+            return None
+        args.append(value)
+    for keyword in node.keywords:
+        ok, value = _literal(keyword.value)
+        if not ok or keyword.arg is None:
+            return None
+        kwargs.append((keyword.arg, value))
+    return FunctionCall(function=node.func.id, args=tuple(args), kwargs=tuple(kwargs))
+
+
+def _check_of(statement: ast.stmt, names: set[str], function: dict[str, str]) -> CallCheck | None:
+    """An assert statement as a CallCheck; None when it is anything else."""
+    if not isinstance(statement, ast.Assert):
+        return None
+    test = statement.test
+    negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+    call = _call_of(test.operand if negated else test, names)
+    check = None
+    if call is not None:
+        check = CallCheck(call, "falsy" if negated else "truthy")
+    elif isinstance(test, ast.Compare) and len(test.ops) == 1:
+        left, right = test.left, test.comparators[0]
+        call = _call_of(left, names)
+        if call is None:  # `expected == f(...)`
+            left, right, call = right, left, _call_of(right, names)
+        ok, expected = _literal(right)
+        if call is not None and ok:
+            if isinstance(test.ops[0], ast.Eq):
+                check = CallCheck(call, "==", expected)
+            elif isinstance(test.ops[0], ast.Is) and expected in (True, False, None) \
+                    and type(expected) in (bool, type(None)):
+                check = CallCheck(call, "is", expected)
+    if check is None:
+        return None
+    real = function.get(check.call.function, check.call.function)  # candidate -> entry point
+    return dataclasses.replace(check, call=dataclasses.replace(check.call, function=real))
+
+
+def convert_test(test: str) -> tuple[CallCheck, ...] | None:
+    """A function-call test as plain calls and expected values, when it is only asserts over
+    calls with literal arguments and literal expected values: HumanEval's
+    `def check(candidate): assert candidate(...) == ...` + `check(entry_point)`, or top-level
+    `assert f(...) == ...`. None for anything else (it then runs in the sandbox's checker)."""
+    try:
+        module = ast.parse(test)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    checks: list[CallCheck] = []
+    check_functions: dict[str, ast.FunctionDef] = {}
+    defined = set()
+    for statement in module.body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            defined.update((a.asname or a.name).split(".")[0] for a in statement.names)
+        elif isinstance(statement, ast.Assign) and _literal(statement.value)[0]:
+            defined.update(t.id for t in statement.targets if isinstance(t, ast.Name))
+        elif isinstance(statement, ast.FunctionDef):
+            check_functions[statement.name] = statement
+            defined.add(statement.name)
+    for statement in module.body:
+        if isinstance(statement, (ast.Import, ast.ImportFrom, ast.Assign, ast.FunctionDef)):
+            continue  # used only through the statements below
+        if isinstance(statement, ast.Assert):
+            names = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)} - defined \
+                - set(dir(builtins))
+            check = _check_of(statement, names, {})
+            if check is None:
+                return None
+            checks.append(check)
+            continue
+        converted = _converted_check_call(statement, check_functions, defined)
+        if converted is None:
+            return None
+        checks.extend(converted)
+    return tuple(checks) if checks else None
+
+
+def _converted_check_call(statement: ast.stmt, check_functions: dict[str, ast.FunctionDef],
+                          defined: set[str]) -> list[CallCheck] | None:
+    """`check(entry_point)` where check is `def check(candidate)` made of convertible asserts."""
+    if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)):
+        return None
+    call = statement.value
+    function = check_functions.get(getattr(call.func, "id", None))
+    if (function is None or call.keywords or len(call.args) != 1
+            or not isinstance(call.args[0], ast.Name) or call.args[0].id in defined):
+        return None
+    arguments = function.args
+    if (len(arguments.args) != 1 or arguments.vararg or arguments.kwarg or arguments.kwonlyargs
+            or arguments.posonlyargs or arguments.defaults or function.decorator_list):
+        return None
+    parameter, entry_point = arguments.args[0].arg, call.args[0].id
+    checks = []
+    for statement in function.body:
+        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
+            continue  # a docstring
+        if isinstance(statement, ast.Assert) and isinstance(statement.test, ast.Constant) \
+                and statement.test.value is True:
+            continue  # `assert True, "This prints if this assert fails"`
+        check = _check_of(statement, {parameter}, {parameter: entry_point})
+        if check is None:
+            return None
+        checks.append(check)
+    return checks
+
+
+def _function_tests(tests: CodeTests) -> tuple[list[tuple[CallCheck, ...] | None], list[str]]:
+    """Per function test, its checks (converted) or None (for the checker); the checker's
+    snippets."""
+    converted = [convert_test(test) for test in tests.function_calls]
+    return converted, [t for t, c in zip(tests.function_calls, converted) if c is None]
+
+
 def run_code_tests(program: str, tests: CodeTests, sandbox: Sandbox, *,
                    limits: SandboxLimits | None = None) -> CodeTestReport:
     """Run every test of `tests` against `program` (concurrently, within the sandbox's bound)."""
     program = f"{tests.prelude}\n{program}" if tests.prelude else program
     requests = [ExecutionRequest(program=program, stdin=t.stdin, limits=limits)
                 for t in tests.stdio]
+    converted, snippets = _function_tests(tests)
+    calls = tuple(check.call for checks in converted if checks for check in checks)
     if tests.function_calls:
-        requests.append(ExecutionRequest(program=program, tests=tests.function_calls,
+        requests.append(ExecutionRequest(program=program, calls=calls, tests=tuple(snippets),
                                          limits=limits))
     results = sandbox.map(requests)
     outcomes = [_stdio_outcome(t, r) for t, r in zip(tests.stdio, results)]
     if tests.function_calls:
-        result = results[-1]
-        failed = (Reason(result.status), result.detail) if not result.ok else (Reason.WRONG, "")
-        # A sandbox failure reports no per-test outcomes: every function test counts as failed.
-        test_passed = result.test_passed or (False,) * len(tests.function_calls)
-        outcomes += [(Reason.CORRECT, "") if passed else failed for passed in test_passed]
+        outcomes += _function_outcomes(converted, results[-1])
     num_passed = sum(reason == Reason.CORRECT for reason, _ in outcomes)
     verifier_failure = next(((r, d) for r, d in outcomes if r in VERIFIER_FAILURES), None)
     first_failure = next(((r, d) for r, d in outcomes if r != Reason.CORRECT), None)
     reason, detail = verifier_failure or first_failure or (Reason.CORRECT, "")
     return CodeTestReport(outcomes=tuple(r for r, _ in outcomes),
                           pass_fraction=num_passed / len(outcomes), reason=reason, detail=detail)
+
+
+def _function_outcomes(converted: list[tuple[CallCheck, ...] | None],
+                       result: ExecutionResult) -> list[tuple[Reason, str]]:
+    """One (reason, detail) per function test, in the tests' order."""
+    failed = (Reason(result.status), result.detail) if not result.ok else (Reason.WRONG, "")
+    if result.status == "sandbox_error":
+        return [failed] * len(converted)
+    call_outcomes = iter(result.call_outcomes or ())
+    test_passed = iter(result.test_passed or ())
+    outcomes = []
+    for checks in converted:
+        if checks is None:
+            passed, why = next(test_passed, False), ""
+        else:
+            passed, why = True, ""
+            for check in checks:
+                outcome = next(call_outcomes, None)
+                if passed and not check.passes(outcome):
+                    passed, why = False, _mismatch(check, outcome)
+        reason, detail = failed
+        outcomes.append((Reason.CORRECT, "") if passed
+                        else (reason, detail or why) if reason == Reason.WRONG else failed)
+    return outcomes
+
+
+def _mismatch(check: CallCheck, outcome: CallOutcome | None) -> str:
+    call = f"{check.call.function}{check.call.args!r}"[:60]
+    if outcome is None:
+        return f"{call} was not reached"
+    if not outcome.returned:
+        return f"{call} {outcome.error}"
+    want = repr(check.expected)[:40] if check.expect in ("==", "is") else check.expect
+    return f"{call} returned {repr(outcome.value)[:40]}, expected {want}"
 
 
 class CodeReward:

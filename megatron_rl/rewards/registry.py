@@ -17,8 +17,8 @@ from megatron_rl.data.sources import PROCEDURAL_TASK_PREFIX
 from megatron_rl.rewards.code import CodeReward, CodeRewardConfig
 from megatron_rl.rewards.math import MathVerifier
 from megatron_rl.rewards.procedural import ProceduralReward, ProceduralRewardConfig
-from megatron_rl.rewards.sandbox import Sandbox
-from megatron_rl.rewards.types import RewardResult, RewardScale
+from megatron_rl.rewards.sandbox import Sandbox, SandboxUnavailableError
+from megatron_rl.rewards.types import Reason, RewardResult, RewardScale, make_result
 
 RewardFn = Callable[[str, PromptRecord], RewardResult]
 _REQUIRABLE = ("answer", "tests", "metadata")
@@ -82,12 +82,27 @@ class RewardRegistry:
     def score(self, completion: str, record: PromptRecord) -> RewardResult:
         return self._entry(record.task).fn(completion, record)
 
+    def _score_one(self, completion: str, record: PromptRecord) -> RewardResult:
+        """`score`, with an exception confined to this sample: a verifier failure (no reward)
+        instead of an error that would fail every sample of the batch. A sandbox that cannot
+        isolate programs on this host is a configuration error and still raises."""
+        try:
+            return self.score(completion, record)
+        except SandboxUnavailableError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any verifier bug stays with its sample
+            _log.warning("the reward of a %r sample raised; scored as %s", record.task,
+                         Reason.VERIFIER_ERROR, exc_info=True)
+            return make_result(Reason.VERIFIER_ERROR, RewardScale(),
+                               detail=f"{type(exc).__name__}: {exc}"[:300])
+
     def score_many(self, completions: Sequence[str], records: Sequence[PromptRecord], *,
                    num_threads: int = 8, retries: int = 1) -> list[RewardResult]:
         """Score completion i against records[i], `num_threads` at a time (verifiers wait on
         worker processes and sandboxes, so threads suffice); results in input order. A result
         whose verifier failed (`RewardResult.verifier_failed`) is scored again, up to `retries`
-        times; one that still fails comes back as it is (no reward)."""
+        times; one that still fails comes back as it is (no reward). A reward function that
+        raises fails only its own sample (`verifier_error`)."""
         if len(completions) != len(records):
             raise ValueError(f"{len(completions)} completions but {len(records)} records; "
                              "pass one record per completion")
@@ -96,7 +111,7 @@ class RewardRegistry:
         for record in {r.task: r for r in records}.values():
             self._entry(record.task)  # unknown tags fail before any work starts
         with ThreadPoolExecutor(max(1, num_threads), thread_name_prefix="reward") as pool:
-            results = list(pool.map(self.score, completions, records))
+            results = list(pool.map(self._score_one, completions, records))
             for attempt in range(1, retries + 1):
                 failed = [i for i, result in enumerate(results) if result.verifier_failed]
                 if not failed:
@@ -105,7 +120,7 @@ class RewardRegistry:
                 _log.warning("re-scoring %d of %d samples whose verifier failed (attempt %d of "
                              "%d); e.g. %s: %s", len(failed), len(results), attempt, retries,
                              first.reason, first.detail)
-                rescored = pool.map(self.score, [completions[i] for i in failed],
+                rescored = pool.map(self._score_one, [completions[i] for i in failed],
                                     [records[i] for i in failed])
                 for i, result in zip(failed, rescored):
                     results[i] = result

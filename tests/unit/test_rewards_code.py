@@ -58,5 +58,8 @@ def test_config_errors_name_the_field():
         SandboxLimits(memory_bytes=1 << 20)
     with pytest.raises(ValueError, match="uid_range"):
         SandboxConfig(uid_range=(5, 5))
+    with pytest.raises(ValueError, match="uid_lock_dir must be an absolute path"):
+        SandboxConfig(uid_lock_dir="locks")
+    assert SandboxConfig().isolation == "namespaces"  # the fallback is an explicit choice
     with pytest.raises(ValueError, match="at least one"):
         CodeTests()

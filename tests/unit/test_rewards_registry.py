@@ -109,3 +109,30 @@ def test_procedural_partial_credit_and_scale():
     assert result.reward == pytest.approx(expected)
     with pytest.raises(ValueError, match="not a procedural task"):
         ProceduralReward()("x", _record("math"))
+
+
+def test_a_raising_reward_fails_only_its_own_sample():
+    """A reward function that raises on one completion (a verifier bug, or a program that broke
+    a parser) is a verifier failure for that sample; the rest of the batch is scored."""
+    def fragile(completion: str, record: PromptRecord) -> RewardResult:
+        if completion == "boom":
+            raise ValueError("could not parse 'a b'")
+        return _exact_match(completion, record)
+
+    registry = RewardRegistry()
+    registry.register("echo", fragile, requires=("answer",))
+    results = registry.score_many(["42", "boom", "41"], [_record("echo")] * 3, retries=1)
+    assert [r.reason for r in results] == [Reason.CORRECT, Reason.VERIFIER_ERROR, Reason.WRONG]
+    assert results[1].reward is None and "ValueError: could not parse" in results[1].detail
+
+
+def test_a_sandbox_that_cannot_isolate_still_raises():
+    from megatron_rl.rewards.sandbox import SandboxUnavailableError
+
+    def unavailable(completion: str, record: PromptRecord) -> RewardResult:
+        raise SandboxUnavailableError("unshare(namespaces) refused")
+
+    registry = RewardRegistry()
+    registry.register("code", unavailable)
+    with pytest.raises(SandboxUnavailableError, match="refused"):
+        registry.score_many(["x"], [_record("code")])
