@@ -6,9 +6,10 @@ runs on development and CI machines without CUDA. `activate_cpu_compat()` applie
 and only when `torch.cuda.is_available()` is False: on a GPU machine it returns without touching
 anything. Each shim is commented with what breaks without it. Shims 1-8 are the ones listed
 (and confirmed necessary by switching each off) in /work/shared/CPU_STACK.md; shim 9 (torch AdamW
-checkpoint loading) was found while building the trainer's resharding checkpoints. The
-nvidia-resiliency-ext version skew that breaks `import megatron.core` is not CPU-specific and is
-handled in megatron_rl/_nvrx_compat.py. Call `activate_cpu_compat()` before the first
+checkpoint loading) was found while building the trainer's resharding checkpoints; shim 10 (the
+multi-tensor fallbacks) is a speed fix from profiling the CPU train step (docs/trainer_speed.md).
+The nvidia-resiliency-ext version skew that breaks `import megatron.core` is not CPU-specific and
+is handled in megatron_rl/_nvrx_compat.py. Call `activate_cpu_compat()` before the first
 `import megatron.core` (shim 1 must be in place before that import).
 """
 from __future__ import annotations
@@ -42,6 +43,7 @@ def activate_cpu_compat() -> bool:
     _shim_sequence_parallel_torch_norm()
     _shim_alltoall_splits_on_cpu()
     _shim_torch_adamw_reshardable_load()
+    _shim_multi_tensor_fallbacks()
     _ACTIVE = True
     return True
 
@@ -284,3 +286,32 @@ def _shim_torch_adamw_reshardable_load() -> None:
                 state["step"] = state["step"].clone()
 
     DistributedOptimizer.load_state_dict = load_state_dict
+
+
+# 10. Without TE or apex, megatron-core's gradient norm and clipping use its local multi-tensor
+#     fallbacks (megatron/core/utils.py): the L2 norm builds `torch.tensor([...])` from per-tensor
+#     norms, one `.item()` per parameter, and the scale is a Python loop. Not a failure but ~5% of a
+#     tiny CPU train step. Same math with torch's foreach ops: the per-tensor norms are the same
+#     values (stacked instead of read out one by one) and the scale is the same fp32 multiply.
+def _foreach_l2_norm(_chunk_size, _noop_flag, tensor_lists, _per_tensor, *_args):
+    norms = [torch.stack(torch._foreach_norm(tensors)) for tensors in tensor_lists if tensors]
+    total = torch.linalg.vector_norm(torch.cat(norms)) if norms else torch.zeros(())
+    return total.reshape(1).float(), None
+
+
+def _foreach_scale(_chunk_size, _noop_flag, tensor_lists, scale):
+    sources, destinations = tensor_lists
+    if all(src is dst for src, dst in zip(sources, destinations)):
+        torch._foreach_mul_(list(destinations), scale)
+    else:
+        torch._foreach_copy_(list(destinations), torch._foreach_mul(list(sources), scale))
+
+
+def _shim_multi_tensor_fallbacks() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+
+    if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+    if clip_grads.multi_tensor_scale_impl is local_multi_tensor_scale:
+        clip_grads.multi_tensor_scale_impl = _foreach_scale

@@ -5,6 +5,11 @@ and then constant, eps 1e-15, weight decay 0.01; gradient clipping at 1.0 (not s
 paper). Megatron's `get_megatron_optimizer` gives the distributed optimizer (optimizer state
 sharded over data-parallel ranks, separately for expert parameters) and `OptimizerParamScheduler`
 the warm-up-then-constant schedule.
+
+Without Transformer Engine or apex (CPU runs), megatron-core falls back to torch.optim.AdamW built
+without `foreach`/`fused`, which on CPU tensors is torch's per-parameter Python loop (~10 ops per
+parameter per step). `_use_fused_cpu_adamw` switches that fallback to torch's fused AdamW kernel
+(one kernel per parameter); GPU runs use TE's / apex's FusedAdam and are untouched.
 """
 from __future__ import annotations
 
@@ -62,6 +67,7 @@ def build_optimizer(model_chunks: list, settings: OptimizerSettings, *, bf16: bo
         clip_grad=settings.clip_grad, bf16=bf16, params_dtype=params_dtype,
         use_distributed_optimizer=settings.use_distributed_optimizer)
     optimizer = get_megatron_optimizer(config, model_chunks)
+    _use_fused_cpu_adamw(optimizer)
     # Warm-up from 0 to lr, then constant or decaying to min_lr at num_steps. The scheduler's
     # step count is advanced before each optimizer step (trainer), so step k uses lr * k / warm-up.
     scheduler = OptimizerParamScheduler(
@@ -71,3 +77,22 @@ def build_optimizer(model_chunks: list, settings: OptimizerSettings, *, bf16: bo
         lr_decay_style=settings.lr_schedule, start_wd=settings.weight_decay,
         end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
     return optimizer, scheduler
+
+
+def _use_fused_cpu_adamw(optimizer) -> None:
+    """Run megatron-core's torch.optim.AdamW fallback with torch's fused CPU kernel.
+
+    The fused kernel computes the same update as the single-tensor loop (to ~1 ulp); torch reads
+    the choice from each parameter group at every step, and a checkpoint saved afterwards records
+    it. Only optimizers whose parameters are all on the CPU are switched: a CUDA run keeps what
+    megatron-core chose (normally TE's FusedAdam, which is not a torch optimizer)."""
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(chained, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not params or any(p.device.type != "cpu" for p in params):
+            continue
+        inner.defaults.update(fused=True, foreach=False)
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)

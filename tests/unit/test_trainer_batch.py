@@ -109,3 +109,35 @@ def test_batch_from_rollout_groups():
     assert batch.sample_num_loss_tokens() == [2, 1, 3, 1]
     with pytest.raises(ValueError, match="2 samples but 1 advantages"):
         TrainBatch.from_groups(groups[:1], [[0.5]])
+
+
+def test_packing_matches_a_per_row_reference():
+    # The collation is whole-tensor; a per-row reference of every field, with mixed lengths,
+    # float64 advantages, permuted sample ids and a pad multiple.
+    lengths = [7, 4, 6, 2, 5]
+    batch = _batch(lengths)
+    batch = TrainBatch(token_ids=batch.token_ids, loss_mask=batch.loss_mask,
+                       old_logprobs=batch.old_logprobs,
+                       advantages=torch.tensor([0.1, -2.5, 3.25, 1e-3, -0.7], dtype=torch.float64),
+                       prompt_ids=torch.tensor([3, 3, 1, 0, 1]),
+                       sample_ids=torch.tensor([4, 2, 0, 1, 3]))
+    (mb,) = pack_micro_batches(batch, range(5), max_tokens=100, pad_to_multiple=4)
+    order = [0, 2, 4, 1, 3]  # longest first
+    assert mb.input_ids.shape == (5, 8)
+    for row, i in enumerate(order):
+        n = lengths[i] - 1
+        ids = batch.token_ids[i]
+        assert mb.input_ids[row].tolist() == ids[:-1].tolist() + [0] * (8 - n)
+        assert mb.targets[row].tolist() == ids[1:].tolist() + [0] * (8 - n)
+        mask = (batch.loss_mask[i][1:] != 0).tolist()
+        assert mb.loss_mask[row].tolist() == mask + [False] * (8 - n)
+        old = batch.old_logprobs[i][1:].tolist()
+        assert mb.old_logprobs[row].tolist() == old + [0.0] * (8 - n)
+        assert mb.advantages[row].tolist() == [float(torch.tensor(
+            float(batch.advantages[i]), dtype=torch.float32))] * n + [0.0] * (8 - n)
+        assert mb.sample_index[row].tolist() == [int(batch.sample_ids[i])] * n + [0] * (8 - n)
+        assert mb.prompt_index[row].tolist() == [int(batch.prompt_ids[i])] * n + [0] * (8 - n)
+        assert mb.padding_mask[row].tolist() == [False] * n + [True] * (8 - n)
+        assert mb.position_ids[row].tolist() == list(range(8))
+    assert mb.input_ids.dtype == mb.targets.dtype == mb.sample_index.dtype == torch.int64
+    assert mb.old_logprobs.dtype == mb.advantages.dtype == torch.float32
