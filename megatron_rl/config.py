@@ -400,6 +400,15 @@ class RolloutConfig:
         True, "SGLang --disable-overlap-schedule: with the overlap schedule the token in flight "
         "when an update pauses generation is labelled with the new version though the old "
         "weights produced it; off only for generation without in-flight updates")
+    deterministic: bool = _field(
+        False, "one request at a time per generator and no prefix cache, so that a completion "
+        "depends only on its prompt, seed and weights (bit-identical reruns and resumes; "
+        "slow: for tests and debugging)")
+    health_check_interval_s: float = _field(10.0, "how often every generator is health-checked "
+                                            "while the trainer waits for groups", gt=0.0)
+    max_generator_restarts: int = _field(3, "restarts of one generator in a row (with backoff) "
+                                         "before it is given up; the run goes on without it "
+                                         "while others are up", ge=0)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -552,6 +561,14 @@ class TrainConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = _field(
         "constant", "after warm-up: constant (ScaleRL) or decay to min_lr")
     clip_grad: float = _field(1.0, "gradient-norm clipping threshold; 0 = off", ge=0.0)
+    max_consecutive_skipped_steps: int = _field(
+        5, "stop the run (with a checkpoint) after this many optimizer steps in a row skipped "
+        "for a non-finite loss or gradient; 0 = never stop", ge=0)
+    step_timeout_s: float = _field(3600.0, "a trainer step (or weight sync) not done in this "
+                                   "time counts as a hung trainer rank", gt=0.0)
+    max_trainer_restarts: int = _field(3, "times the trainer ranks are restarted from the last "
+                                       "checkpoint after a rank died or hung; then the run "
+                                       "stops", ge=0)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -598,8 +615,10 @@ class EvalConfig:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class CheckpointConfig:
-    """Checkpoints (model, optimizer, RNG, sampler/NPR state, buffer, curve log). `dir` defaults
-    to <output_dir>/checkpoints (RunConfig.checkpoint_dir)."""
+    """Run checkpoints (megatron_rl/resilience, docs/fault_tolerance.md): model, optimizer, RNG,
+    sampler/NPR state, the rollout buffer and the prompts in flight, the scaling log and the
+    recipe, written atomically with a manifest of checksums. `dir` defaults to
+    <output_dir>/checkpoints (RunConfig.checkpoint_dir)."""
 
     SECTION: ClassVar[str] = "checkpoint"
 
@@ -609,7 +628,12 @@ class CheckpointConfig:
                                  "end", ge=0)
     keep_last: int = _field(3, "checkpoints kept on disk (older ones deleted); 0 = keep all",
                             ge=0)
-    load: str | None = _field(None, "checkpoint directory to resume from; null = fresh start")
+    load: str | None = _field(None, "a run checkpoint (a step_<N> directory) to resume from; "
+                              "null = the newest valid one in dir, as resume says")
+    resume: Literal["auto", "always", "never"] = _field(
+        "auto", "auto: resume from the newest valid checkpoint in dir when there is one, else "
+        "start fresh; always: a checkpoint is required (megatron-rl train --resume); never: "
+        "start fresh (output_dir must not hold a previous run)")
     format: Literal["torch_dist"] = _field("torch_dist", "checkpoint format (Megatron "
                                            "ckpt_format; resharding across parallel layouts)")
 
@@ -654,9 +678,15 @@ class ClusterConfig:
                              "training (needs a synchronous schedule, rollout.num_generators x "
                              "rollout.tp_size = parallelism.world_size, and on GPU "
                              "weight_sync.transport=tensor); false = disaggregated")
+    num_cpus: int | None = _field(None, "local cluster: the CPUs Ray offers (each CPU trainer "
+                                  "rank and generator takes one; more than the machine has "
+                                  "oversubscribes it); null = the machine's count", ge=1)
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        _require(self.address is None or self.num_cpus is None,
+                 f"cluster.num_cpus: only for a local cluster; joining {self.address!r} uses "
+                 "that cluster's resources: set it to null")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -7,18 +7,50 @@ Ray worker or verifier process outlives the run.
 
 Compute for the scaling curve is device-hours: (trainer ranks + generator devices) x wall time
 since the first optimizer step began (on CPU, processes stand in for devices).
+
+Fault tolerance (docs/fault_tolerance.md): a run resumes from the newest valid run checkpoint in
+its directory (megatron_rl/resilience/checkpoint.py); a generator that dies or hangs is taken out
+of the rotation, its groups re-queued, and it is restarted and re-synced while the others go on;
+a trainer rank that dies or hangs makes the trainer group restart from the last checkpoint, the
+generators keeping their engines. Every fault is written to faults.jsonl, every step's groups to
+ledger.jsonl.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
+import os
+import pickle
+import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from megatron_rl.config import ConfigError, RunConfig
+from megatron_rl.resilience import checkpoint as run_checkpoint
+from megatron_rl.resilience import faults, ledger
+
+# Files of output_dir that a run checkpoint carries and a restore puts back.
+_RESTORED_FILES = ("scaling.jsonl", ledger.LEDGER)
+
+
+class TrainerFailure(RuntimeError):
+    """A trainer rank died or hung (the run restores the trainer group from a checkpoint)."""
+
+
+class RunStopped(RuntimeError):
+    """The run stopped itself (a checkpoint was written); the message says why and what next."""
+
+
+def notice(message: str) -> None:
+    """A line for the operator on stderr that leaves the progress bar intact."""
+    from tqdm import tqdm
+
+    tqdm.write(f"megatron-rl train: {message}", file=sys.stderr)
 
 
 def _load_records(cfg: RunConfig) -> list:
@@ -42,6 +74,13 @@ class RunSetup:
         self._compute_offset = 0.0
         self._paused_busy_s = 0.0  # generator-seconds of in-flight requests held by pauses
         self._released = False  # colocated: the generators' memory is released for training
+        self.last_checkpoint_step: int | None = None
+        self._initial: tuple[dict, dict[str, bytes]] | None = None  # restore point before step 1
+        self._trainer_restarts = 0
+        self._generator_restarts: dict[int, int] = {}  # consecutive failed restarts
+        self._given_up: set[int] = set()
+        self._last_health_check = 0.0
+        self._failures: list = []  # GeneratorFailure reports not yet recovered
 
     # ------------------------------------------------------------------ start / stop
 
@@ -67,25 +106,107 @@ class RunSetup:
             raise ConfigError("model.hf_checkpoint: megatron-rl train needs the HF checkpoint "
                               "the generators serve and the trainer starts from; convert or "
                               "create one (tools/, docs/convert.md)")
-        if cfg.checkpoint.load is not None:
-            raise ConfigError("checkpoint.load: resuming a megatron-rl train run is not built "
-                              "yet (whole-run checkpoints arrive with fault tolerance); set "
-                              "checkpoint.load=null")
-        from torch.utils.tensorboard import SummaryWriter
         from transformers import AutoTokenizer
-
-        from megatron_rl.scaling.log import ScalingLog
 
         self.out = Path(cfg.output_dir).resolve()  # Ray actors need absolute paths
         self.out.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(cfg.tensorboard_dir)
-        self._stack.callback(self.writer.close)
-        self.scaling_log = ScalingLog(self.out, tb_writer=self.writer)
+        self.checkpoint_root = Path(cfg.checkpoint_dir).resolve()
+        resume = self._resume_point()
+        state = self._read_run_state(resume) if resume is not None else None
+        if resume is not None:
+            self._put_back_files({name: (resume / name).read_bytes()
+                                  for name in _RESTORED_FILES if (resume / name).is_file()})
+        self._open_logs(purge_after=state["step"] if state else None)
+        self._stack.callback(lambda: self.writer.close())
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self._start_verifiers()
         self._load_data()
         self._start_cluster()
+        self._build_rollouts()
+        if resume is not None:
+            self._restore(resume, state)
+            notice(f"resumed from {resume} (step {self.step}, policy version {self.version})")
         self._start_rollouts()
+
+    # ------------------------------------------------------------------ resume / restore
+
+    def _resume_point(self) -> Path | None:
+        """The run checkpoint to resume from, as checkpoint.load / checkpoint.resume say."""
+        ck, root = self.cfg.checkpoint, self.checkpoint_root
+        for partial in run_checkpoint.remove_partials(root):
+            notice(f"removed {partial.name}: a checkpoint save that did not finish")
+        if ck.load is not None:
+            path = Path(ck.load).resolve()
+            try:
+                run_checkpoint.verify(path)
+            except run_checkpoint.RunCheckpointError as exc:
+                raise ConfigError(f"checkpoint.load: {exc}; give another step_<N> directory "
+                                  "or null for the newest valid one") from None
+            return path
+        found = None if ck.resume == "never" else run_checkpoint.latest_valid(root, warn=notice)
+        if found is None:
+            if ck.resume == "always":
+                raise ConfigError(f"checkpoint.resume: always (--resume), but {root} holds no "
+                                  "valid run checkpoint; start without --resume")
+            previous = [n for n in _RESTORED_FILES if (self.out / n).is_file()]
+            if previous:
+                raise ConfigError(
+                    f"output_dir {self.out} holds a previous run ({', '.join(previous)}) with "
+                    f"no checkpoint to resume from{' (checkpoint.resume: never)' if ck.resume == 'never' else ''}; "
+                    "choose another output_dir, or delete it to start over")
+        return found
+
+    @staticmethod
+    def _read_run_state(path: Path) -> dict:
+        with open(path / run_checkpoint.RUN_STATE, "rb") as f:
+            return pickle.load(f)
+
+    def _put_back_files(self, files: dict[str, bytes]) -> None:
+        """output_dir's restored files as a checkpoint (or the start of the run) had them."""
+        for name in _RESTORED_FILES:
+            target = self.out / name
+            if name in files:
+                target.write_bytes(files[name])
+            else:
+                target.unlink(missing_ok=True)
+
+    def _open_logs(self, *, purge_after: int | None) -> None:
+        """TensorBoard (events after `purge_after` dropped: a restored run redoes those steps)
+        and the scaling log."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        from megatron_rl.scaling.log import ScalingLog
+
+        if getattr(self, "writer", None) is not None:
+            self.writer.close()
+        self.writer = SummaryWriter(self.cfg.tensorboard_dir, purge_step=None
+                                    if purge_after is None else purge_after + 1)
+        self.scaling_log = ScalingLog(self.out, tb_writer=self.writer)
+
+    def _restore(self, path: Path | None, state: dict) -> None:
+        """Trainer, driver and rollout state as of a checkpoint (None: the start of the run);
+        the generators get the restored weights under the restored version. The manager must
+        not be running."""
+        if path is None:
+            self._trainer_call(lambda: self.trainers.call(
+                "load_model_weights", self._converted_start_checkpoint(self.model_dir)))
+        else:
+            self._trainer_call(lambda: self.trainers.load_checkpoint(
+                str(path / run_checkpoint.TRAINER_DIR)))
+        self.step, self.version = state["step"], state["version"]
+        self._compute_offset = state["compute_gpu_hours"]
+        self.verifier_failures.load_state_dict(state["verifier_failures"])
+        self.manager.load_state_dict(state["manager"])
+        self.last_checkpoint_step = self.step if path is not None else None
+        self._trainer_call(lambda: self.trainers.sync_weights(
+            self.version, timeout_s=self.cfg.train.step_timeout_s))
+
+    def _driver_state(self) -> dict:
+        """The driver's part of a run checkpoint (run it on the rollout loop: one moment)."""
+        return {"step": self.step, "version": self.version,
+                "compute_gpu_hours": self.compute_gpu_hours,
+                "verifier_failures": self.verifier_failures.state_dict(),
+                "manager": self.manager.state_dict()}
 
     def _start_verifiers(self) -> None:
         from megatron_rl.rewards import MathVerifier, Sandbox, default_registry
@@ -128,7 +249,8 @@ class RunSetup:
                                          RayCluster, TrainerGroup)
 
         cfg = self.cfg
-        self.ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address))
+        self.ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address,
+                                                    num_cpus=cfg.cluster.num_cpus))
         self._stack.callback(self.ray.shutdown)
         layout = ClusterLayout.from_run_config(cfg, colocated=cfg.cluster.colocated)
         if layout.colocated and layout.device == "gpu" and \
@@ -138,7 +260,8 @@ class RunSetup:
                               "GPU; set weight_sync.transport=tensor (in-memory hand-over)")
         self.layout = layout
         placement = self.ray.reserve(layout, name=cfg.name)
-        model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
+        self.placement = placement
+        self.model_dir = model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
         if layout.colocated and layout.device == "gpu":  # servers need the ranks' GPU ids
             self.trainers = TrainerGroup.create(placement, cfg)
             self.generators = GeneratorPool.start(placement, self._server_settings(model_dir))
@@ -147,10 +270,25 @@ class RunSetup:
             self.trainers = TrainerGroup.create(placement, cfg)
         self.trainers.call("load_model_weights", self._converted_start_checkpoint(model_dir))
         self.generators.wait_until_healthy()
-        self.generator_urls = self.generators.urls
         self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=model_dir)
         self.num_devices = layout.num_trainer_ranks if layout.colocated else \
             layout.num_trainer_ranks + layout.num_generators * layout.devices_per_generator
+        self._write_processes()
+
+    @property
+    def generator_urls(self) -> list[str]:
+        return self.generators.urls
+
+    def _write_processes(self) -> None:
+        """output_dir/processes.json: which process is which (for operators and chaos tests)."""
+        info = {"driver": {"pid": os.getpid()},
+                "generators": [{"name": e.name, "url": e.url, "pid": e.pid, "node": e.node_ip}
+                               for e in self.generators.endpoints],
+                "trainer_ranks": [{"rank": r, "pid": n.pid, "node": n.node_ip}
+                                  for r, n in enumerate(self.trainers.nodes)]}
+        tmp = self.out / "processes.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(self.out / "processes.json")
 
     def _server_settings(self, model_dir: str) -> list:
         """One SGLang server's settings per generator; colocated ones get their trainer ranks'
@@ -185,7 +323,7 @@ class RunSetup:
                                    progress=self.cfg.logging.progress_bar)
         return str(target.resolve())
 
-    def _start_rollouts(self) -> None:
+    def _build_rollouts(self) -> None:
         from megatron_rl.algorithms import NoPositiveResamplingSampler
         from megatron_rl.rollout import SamplingParams
         from megatron_rl.rollout.async_client import AsyncSGLangClient
@@ -212,6 +350,8 @@ class RunSetup:
             interruption=self.interruption, score=self.registry.score_many,
             decode=self.tokenizer.decode,
             max_finished_groups=self.gate.settings.max_outstanding_groups, seed=cfg.seed)
+
+    def _start_rollouts(self) -> None:
         self._call(self._async(self.manager.start))
         self._stack.callback(lambda: self._call(self.manager.stop()))
 
@@ -236,6 +376,10 @@ class RunSetup:
 
         self._compute_start = time.perf_counter()
         self._window = (self._compute_start, self._activity(), 0.0)
+        if self.step == 0:  # a trainer failure before the first checkpoint restores this
+            self._initial = (self._call(self._async(self._driver_state)),
+                             {n: (self.out / n).read_bytes() for n in _RESTORED_FILES
+                              if (self.out / n).is_file()})
         self._progress = tqdm(steps, desc=self.cfg.name, unit="step",
                               disable=not self.cfg.logging.progress_bar)
         return self._progress
@@ -248,10 +392,155 @@ class RunSetup:
             * self.num_devices
 
     def take_groups(self, num_groups: int) -> list:
+        """The step's groups; while waiting, the generators are health-checked and any that
+        failed is restarted (the others keep generating)."""
         started = time.perf_counter()
-        groups = self._call(self.manager.take(num_groups))
+        future = asyncio.run_coroutine_threadsafe(self.manager.take(num_groups), self.loop)
+        try:
+            while True:
+                try:
+                    groups = future.result(timeout=1.0)
+                    break
+                except TimeoutError:
+                    self.check_generators()
+        except BaseException:
+            future.cancel()  # the run is stopping: nothing waits for these groups
+            raise
         self._wait_s = time.perf_counter() - started
         return groups
+
+    def record_ledger(self, step: int, groups: Sequence) -> None:
+        discarded = self._call(self._async(self.manager.take_discarded))
+        ledger.record_step(self.out, step=step, version=self.version,
+                           trained=[(g.group_id, g.prompt_index) for g in groups],
+                           discarded=discarded, digest=ledger.groups_digest(groups))
+
+    # ------------------------------------------------------------------ generator failures
+
+    def check_generators(self, *, now: bool = False) -> None:
+        """Health-check every generator (every rollout.health_check_interval_s, or `now`),
+        take the failed or hung ones out of the rotation and restart them."""
+        interval = self.cfg.rollout.health_check_interval_s
+        if now or time.monotonic() - self._last_health_check >= interval:
+            self._last_health_check = time.monotonic()
+            up = set(range(len(self.clients))) - self._call(self._async(
+                lambda: self.manager.down))
+            for index, reason in self.generators.unhealthy(timeout_s=30.0).items():
+                if index in up:
+                    self._call(self._async(lambda i=index, r=reason: self.manager.mark_down(i, r)))
+        failures = self._call(self._async(self.manager.take_failures))
+        self._failures += failures
+        down = self._call(self._async(lambda: self.manager.down)) - self._given_up
+        for index in sorted(down):
+            self._restart_generator(index)
+        if len(self._given_up) == len(self.clients):
+            raise RunStopped("every generator failed and could not be restarted "
+                             f"(rollout.max_generator_restarts={self.cfg.rollout.max_generator_restarts}); "
+                             "see the generator logs in output_dir")
+
+    def _restart_generator(self, index: int) -> None:
+        """Restart generator `index`, bring it to the current weights and version over a group
+        of its own, and put it back in the rotation; bounded attempts with backoff."""
+        from megatron_rl.rollout.async_client import AsyncSGLangClient
+
+        failure = next((f for f in self._failures if f.index == index), None)
+        name = self.generators.names[index]
+        limit = self.cfg.rollout.max_generator_restarts
+        while True:
+            attempt = self._generator_restarts.get(index, 0)
+            if attempt >= limit:
+                self._given_up.add(index)
+                notice(f"generator {name!r}: given up after {attempt} failed restart(s); the "
+                       "run goes on with the others")
+                ledger.record_fault(self.out, kind="generator", what=failure.reason if failure
+                                    else name, detected_at=failure.detected_at if failure
+                                    else time.time(), recovered_at=None,
+                                    requeued_groups=failure.requeued_groups if failure else 0,
+                                    steps_lost=0, gave_up=True)
+                return
+            notice(f"generator {name!r} failed ({failure.reason.splitlines()[0][:200] if failure else 'down'}); "
+                   f"restarting it (attempt {attempt + 1} of {limit})")
+            try:
+                endpoint = self.generators.restart(index, timeout_s=self.cfg.train.step_timeout_s)
+                self._trainer_call(lambda: self.trainers.sync_new_generators(
+                    [endpoint], self.model_dir, self.version))
+                break
+            except TrainerFailure:
+                raise
+            except Exception as exc:  # noqa: BLE001 (retried with backoff, then given up)
+                self._generator_restarts[index] = attempt + 1
+                notice(f"generator {name!r}: restart failed: {type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0][:300]}")
+                time.sleep(min(60.0, 2.0 * 2 ** attempt))
+        self._generator_restarts[index] = 0
+        client = AsyncSGLangClient(endpoint.url)
+        old, self.clients[index] = self.clients[index], client
+        self._call(old.close())
+        self._call(self._async(lambda: self.manager.mark_up(index, client)))
+        self._write_processes()
+        if failure is not None:
+            self._failures.remove(failure)
+        ledger.record_fault(self.out, kind="generator", what=failure.reason if failure else name,
+                            detected_at=failure.detected_at if failure else time.time(),
+                            requeued_groups=failure.requeued_groups if failure else 0,
+                            steps_lost=0)
+        notice(f"generator {name!r} is back at {endpoint.url} with policy version "
+               f"{self.version}")
+
+    # ------------------------------------------------------------------ trainer failures
+
+    def _trainer_call(self, call):
+        """Run a call on the trainer group; a rank that died (Ray actor death) or hung (no
+        answer within train.step_timeout_s) raises TrainerFailure."""
+        import ray
+
+        try:
+            return call()
+        except (ray.exceptions.RayActorError, TimeoutError) as exc:
+            raise TrainerFailure(f"{type(exc).__name__}: {str(exc).splitlines()[0][:500]}") \
+                from exc
+
+    def recover_trainers(self, failure: TrainerFailure) -> None:
+        """Restart the trainer group and restore the run from its last checkpoint (the start
+        of the run if there is none): the steps since are redone. The generators keep their
+        engines and receive the restored weights. Bounded by train.max_trainer_restarts."""
+        from megatron_rl.cluster import TrainerGroup
+
+        detected = time.time()
+        failed_step = self.step + 1
+        self._trainer_restarts += 1
+        limit = self.cfg.train.max_trainer_restarts
+        if self._trainer_restarts > limit:
+            raise RunStopped(f"the trainer failed at step {failed_step} ({failure}) and has "
+                             f"been restarted {limit} time(s) already "
+                             "(train.max_trainer_restarts); resume with --resume once the "
+                             "cause is fixed") from failure
+        notice(f"trainer failed at step {failed_step}: {failure}; restarting the trainer ranks "
+               f"(attempt {self._trainer_restarts} of {limit})")
+        self.trainers.shutdown(timeout_s=10.0)
+        self.trainers = TrainerGroup.create(self.placement, self.cfg)
+        self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=self.model_dir)
+        self._call(self.manager.stop())
+        path = run_checkpoint.latest_valid(self.checkpoint_root, warn=notice)
+        if path is not None:
+            state = self._read_run_state(path)
+            files = {n: (path / n).read_bytes() for n in _RESTORED_FILES
+                     if (path / n).is_file()}
+        elif self._initial is not None:
+            state, files = self._initial
+        else:
+            raise RunStopped(f"the trainer failed at step {failed_step} ({failure}) before the "
+                             "run had a restore point") from failure
+        self._put_back_files(files)
+        self._open_logs(purge_after=state["step"])
+        self._restore(path, state)
+        self._call(self._async(self.manager.start))
+        self._write_processes()
+        ledger.record_fault(self.out, kind="trainer", what=str(failure), detected_at=detected,
+                            restored_step=self.step, steps_lost=failed_step - 1 - self.step)
+        notice(f"trainer restored to step {self.step} "
+               f"({path.name if path is not None else 'the start of the run'}); "
+               f"{failed_step - 1 - self.step} step(s) are redone")
 
     def rewards_of(self, groups: Sequence):
         """[prompts, G] rewards, NaN for samples whose verifier failed; counts the failures
@@ -295,7 +584,8 @@ class RunSetup:
     def train_step(self, batch) -> dict[str, float]:
         release_s = self._release_generators() if self.layout.colocated else 0.0
         started = time.perf_counter()
-        step = self.trainers.train_step(batch)
+        step = self._trainer_call(lambda: self.trainers.train_step(
+            batch, timeout_s=self.cfg.train.step_timeout_s))
         seconds = time.perf_counter() - started
         return {"train/loss": step.loss, "train/grad_norm": step.grad_norm,
                 "train/entropy": step.entropy, "train/is_clip_fraction": step.clip_fraction,
@@ -333,8 +623,18 @@ class RunSetup:
 
         if self._released:  # colocated: the weights' memory back, to load into
             self._resume_generators(SGLangGenerator.MEMORY_WEIGHTS)
+        from megatron_rl.weight_sync import WeightSyncError
+
+        self.check_generators(now=True)  # a dead generator is restarted before, not during
         before = self._activity()
-        report = self.trainers.sync_weights()
+        try:
+            report = self._trainer_call(lambda: self.trainers.sync_weights(
+                timeout_s=self.cfg.train.step_timeout_s))
+        except WeightSyncError as exc:  # a generator failed during the sync: restart, retry
+            notice(f"{str(exc).splitlines()[0][:300]}; checking the generators and retrying")
+            self.check_generators(now=True)
+            report = self._trainer_call(lambda: self.trainers.sync_weights(
+                timeout_s=self.cfg.train.step_timeout_s))
         after = self._activity()
         if self._released:
             self._resume_generators(SGLangGenerator.MEMORY_AFTER_WEIGHTS)
@@ -424,19 +724,38 @@ class RunSetup:
         return [flat[i * k:(i + 1) * k] for i in range(len(groups))]
 
     def save_checkpoint(self, step: int) -> None:
-        from megatron_rl.trainer import checkpoint_name, prune_checkpoints
+        """A run checkpoint of the state after `step` (megatron_rl/resilience/checkpoint.py):
+        written under a partial name, committed with its manifest, older ones pruned."""
+        from megatron_rl.config import save_config
 
-        directory = Path(self.cfg.checkpoint_dir).resolve() / checkpoint_name(step)
-        self.trainers.save_checkpoint(str(directory), {
-            "step": step, "version": self.version, "npr": self.sampler.state_dict(),
-            "gate": self.gate.state_dict(), "compute_gpu_hours": self.compute_gpu_hours,
-            "verifier_failures": self.verifier_failures.state_dict()})
-        prune_checkpoints(self.cfg.checkpoint_dir, self.cfg.checkpoint.keep_last)
+        root = self.checkpoint_root
+        root.mkdir(parents=True, exist_ok=True)
+        staging = run_checkpoint.partial_path(root, step)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        self._trainer_call(lambda: self.trainers.save_checkpoint(
+            str(staging / run_checkpoint.TRAINER_DIR), {"step": step, "version": self.version}))
+        state = self._call(self._async(self._driver_state))
+        with open(staging / run_checkpoint.RUN_STATE, "wb") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        for name in _RESTORED_FILES:
+            if (self.out / name).is_file():
+                shutil.copyfile(self.out / name, staging / name)
+        save_config(self.cfg, str(staging / "config.yaml"))
+        if faults.planned("kill_in_checkpoint", step):
+            faults.kill_self()
+        run_checkpoint.commit(staging, run_checkpoint.checkpoint_path(root, step), step=step)
+        run_checkpoint.prune(root, self.cfg.checkpoint.keep_last)
+        self.last_checkpoint_step = step
 
     def finish(self) -> None:
-        """After the last step: close the progress bar (fit the run's curve with
-        `megatron-rl fit output_dir`)."""
+        """After the last step (or a graceful stop): close the progress bar and end the ledger
+        with the groups still outstanding (fit the run's curve with `megatron-rl fit
+        output_dir`)."""
         self._progress.close()
+        next_id, outstanding = self._call(self._async(
+            lambda: (self.manager.next_group_id, self.manager.outstanding_group_ids())))
+        ledger.record_end(self.out, next_group_id=next_id, outstanding=outstanding)
 
 
 def length_penalties(groups: Sequence, algorithm):

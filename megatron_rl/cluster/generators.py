@@ -81,6 +81,19 @@ class GeneratorActor:
                 log_path=server.log_path)
             return self._endpoint
 
+    def restart(self) -> GeneratorEndpoint:
+        """Stop the server (whatever state it is in: exited, hung or stopped) and launch a new
+        one with the same settings (on a new port); wait with `wait_until_healthy`."""
+        with self._lock:
+            if self._stopped:
+                raise GeneratorError(f"{self._describe()}: restart() after shutdown()")
+            server, endpoint = self._server, self._endpoint
+            self._server = self._endpoint = None
+        if server is not None:
+            server.shutdown(timeout_s=5.0)
+            kill_process_group(endpoint.pid, started_after=endpoint.started_at)
+        return self.launch()
+
     def wait_until_healthy(self) -> GeneratorEndpoint:
         """Wait for the server's /health (settings.startup_timeout_s). On failure the server is
         stopped and the error names this generator, with the server's exit code and log tail."""
@@ -141,6 +154,7 @@ class GeneratorPool:
         self.actors = actors
         self.names = names
         self._endpoints: list[GeneratorEndpoint | None] = [None] * len(actors)
+        self._settings: list[SGLangServerSettings] = []  # per generator, for restarts
         self._stopped = False
 
     @classmethod
@@ -170,6 +184,7 @@ class GeneratorPool:
                                 max_restarts=0).remote(names[i], settings[i])
                   for i in range(count)]
         pool = cls(placement, actors, names)
+        pool._settings = list(settings)
         placement.cluster.on_shutdown("generators", pool.shutdown)
         try:
             pool._endpoints = gather([a.launch.remote() for a in actors], pool._labels(),
@@ -228,6 +243,49 @@ class GeneratorPool:
                                              for p in problems) else GeneratorError
             raise kind(f"{len(problems)} of {len(refs)} generators failed the health check:\n"
                        + "\n".join(str(p) for p in problems))
+
+    def restart(self, index: int, *, timeout_s: float | None = None) -> GeneratorEndpoint:
+        """Replace generator `index`'s server with a fresh one (same settings, version 0 weights
+        of the served checkpoint) and wait until it answers; a dead actor is replaced by a new
+        one in the same bundle. The other generators are not touched."""
+        import ray
+
+        try:
+            ray.get(self.actors[index].restart.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            old = self._endpoints[index]
+            if old is not None and old.node_id == ray.get_runtime_context().get_node_id():
+                kill_process_group(old.pid, started_after=old.started_at)
+            actor = actor_class(GeneratorActor).options(
+                **self.placement.generator_options(index), max_concurrency=2,
+                max_restarts=0).remote(self.names[index], self._settings[index])
+            self.actors[index] = actor
+            ray.get(actor.launch.remote(), timeout=timeout_s)
+        self._endpoints[index] = None
+        self._endpoints[index] = ray.get(self.actors[index].wait_until_healthy.remote(),
+                                         timeout=timeout_s)
+        return self._endpoints[index]
+
+    def unhealthy(self, timeout_s: float = 30.0) -> dict[int, str]:
+        """{index: reason} of the generators whose server is gone, answers with an error, or
+        does not answer within `timeout_s` (a hung one); {} when all answer."""
+        import ray
+
+        refs = [a.check_health.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        problems: dict[int, str] = {}
+        for i, ref in enumerate(refs):
+            if ref not in ready:
+                problems[i] = f"{self._label(i)}: no health answer within {timeout_s:.0f} s"
+                continue
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                problems[i] = str(exc.cause)
+            except ray.exceptions.RayActorError as exc:
+                problems[i] = (f"{self._label(i)}: its Ray actor died ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0]})")
+        return problems
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every server (through its actor), kill the actors, then stop any server

@@ -38,6 +38,7 @@ class WorkerNode:
     node_id: str
     node_ip: str
     gpu_ids: tuple[str, ...]  # the GPUs Ray assigned to this actor (none on CPU)
+    pid: int = 0  # the worker's process
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +106,7 @@ class TrainerWorker:
         self.trainer = None
         self.run_config = None
         self.weight_sync = None
+        self._generators: list[GeneratorEndpoint] = []  # what weight_sync feeds
 
     def __repr__(self) -> str:  # Ray shows it in errors and in `ray list actors`
         return f"TrainerWorker(rank {self.rank})"
@@ -117,7 +119,8 @@ class TrainerWorker:
         context = ray.get_runtime_context()
         return WorkerNode(node_id=context.get_node_id(), node_ip=ray.util.get_node_ip_address(),
                           gpu_ids=tuple(str(g) for g in
-                                        context.get_accelerator_ids().get("GPU", [])))
+                                        context.get_accelerator_ids().get("GPU", [])),
+                          pid=os.getpid())
 
     def pick_rendezvous(self) -> Rendezvous:
         """Rank 0: this node's Ray address and a port free on it, for the TCPStore."""
@@ -164,10 +167,22 @@ class TrainerWorker:
 
     def connect_generators(self, generators: Sequence[GeneratorEndpoint],
                            hf_config_dir: str) -> None:
-        """Build the WeightSync to these generators (collective). The HF <-> Megatron mapping
-        is that of `hf_config_dir`'s config.json (the checkpoint the generators serve); the
-        weight_sync section of the run config gives transport, buckets, pause mode and
-        timeouts. Each stage's sender listens on its own node's Ray address."""
+        """Build the WeightSync to these generators (collective), keeping the policy version.
+        The HF <-> Megatron mapping is that of `hf_config_dir`'s config.json (the checkpoint
+        the generators serve); the weight_sync section of the run config gives transport,
+        buckets, pause mode and timeouts. Each stage's sender listens on its own node's Ray
+        address."""
+        if not generators:
+            raise ValueError("connect_generators: no generators given")
+        version = self.weight_sync.version if self.weight_sync is not None else 0
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
+        self.weight_sync = self._build_sync(generators, hf_config_dir)
+        self.weight_sync.version = version
+        self._generators = list(generators)
+
+    def _build_sync(self, generators: Sequence[GeneratorEndpoint], hf_config_dir: str):
         import ray
 
         from models import model_family_for_hf_config
@@ -175,11 +190,6 @@ class TrainerWorker:
         from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
 
         trainer = self._trainer()
-        if not generators:
-            raise ValueError("connect_generators: no generators given")
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-            self.weight_sync = None
         hf_family = model_family_for_hf_config(
             json.loads((Path(hf_config_dir) / "config.json").read_text()))
         settings = WeightSyncSettings.from_run_config(
@@ -187,15 +197,34 @@ class TrainerWorker:
             master_address=ray.util.get_node_ip_address())
         clients = [SGLangGenerator(g.url, num_ranks=g.num_ranks,
                                    request_timeout_s=settings.timeout_s) for g in generators]
-        self.weight_sync = WeightSync(trainer.model, hf_family.weight_groups(), clients,
-                                      settings, hf_vocab_size=hf_family.hf_config.vocab_size)
+        return WeightSync(trainer.model, hf_family.weight_groups(), clients, settings,
+                          hf_vocab_size=hf_family.hf_config.vocab_size)
 
-    def sync_weights(self):
+    def sync_weights(self, version: int | None = None):
         """Push the current weights to the connected generators (collective) -> SyncReport;
-        raises WeightSyncError (the generators keep their previous version)."""
+        raises WeightSyncError (the generators keep their previous version). `version`: the
+        label (default the next one; a restored run re-labels its generators)."""
         if self.weight_sync is None:
             raise RuntimeError(f"{self!r}: sync_weights() before connect_generators()")
-        return self.weight_sync.sync()
+        return self.weight_sync.sync(version)
+
+    def sync_new_generators(self, generators: Sequence[GeneratorEndpoint], hf_config_dir: str,
+                            version: int):
+        """Bring restarted generators to the trainer's weights as `version` over a weight-update
+        group of their own (collective; the generators already serving are not paused), then
+        rebuild the main sync over every generator, the restarted ones in their places."""
+        if self.weight_sync is None:
+            raise RuntimeError(f"{self!r}: sync_new_generators() before connect_generators()")
+        temporary = self._build_sync(generators, hf_config_dir)
+        try:
+            report = temporary.sync(version)
+        finally:
+            temporary.close()
+        by_name = {g.name: g for g in generators}
+        self.connect_generators([by_name.get(g.name, g) for g in self._generators],
+                                hf_config_dir)
+        self.weight_sync.version = version
+        return report
 
     # ------------------------------------------------------------------ stop
 
@@ -269,19 +298,24 @@ class TrainerGroup:
         to fail raises (see megatron_rl.cluster.remote.gather)."""
         return self._call_all(method, *args, timeout_s=timeout_s, **kwargs)[0]
 
-    def train_step(self, batch):
+    def train_step(self, batch, *, timeout_s: float | None = None):
         """-> rank 0's StepMetrics (global means). The batch is serialised once for all."""
         import ray
 
-        return self.call("train_step", ray.put(batch))
+        return self.call("train_step", ray.put(batch), timeout_s=timeout_s)
 
     def connect_generators(self, generators: Sequence[GeneratorEndpoint],
                            hf_config_dir: str) -> None:
         self.call("connect_generators", list(generators), hf_config_dir)
 
-    def sync_weights(self):
+    def sync_weights(self, version: int | None = None, *, timeout_s: float | None = None):
         """-> rank 0's SyncReport (the coordinator's: version, time split, control time)."""
-        return self.call("sync_weights")
+        return self.call("sync_weights", version, timeout_s=timeout_s)
+
+    def sync_new_generators(self, generators: Sequence[GeneratorEndpoint], hf_config_dir: str,
+                            version: int):
+        """-> rank 0's SyncReport of bringing restarted `generators` to `version`."""
+        return self.call("sync_new_generators", list(generators), hf_config_dir, version)
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None) -> None:
         self.call("save_checkpoint", directory, extra_state)

@@ -24,6 +24,13 @@ breaks without it (CPU_STACK.md, verified by switching it off):
 7. Llama-4 chunked local attention on torch_native (the CPU attention backend ignores it and
    attends to the whole prefix): chunk-block masks on RoPE layers; needs
    --disable-hybrid-swa-memory (checked). See `_with_chunked_attention`.
+8. Per-request sampling seeds, for servers started with MEGATRON_RL_SAMPLING_SEEDS=1
+   (rollout.deterministic): SGLang uses a request's `sampling_seed` only under
+   --enable-deterministic-inference, which needs a GPU attention backend (fa3 / flashinfer /
+   triton); otherwise every request draws from the engine's one torch stream, so a completion
+   depends on what the engine sampled before (a restarted engine samples differently). The fix
+   builds the seed tensor when every request of a batch has a seed. Safe only without batching
+   seeded and unseeded requests together (deterministic mode runs one request at a time).
 """
 from __future__ import annotations
 
@@ -61,8 +68,77 @@ def apply_sglang_cpu_fixes() -> bool:
         _patch_on_import("sglang.srt.layers.attention.torch_native_backend",
                          _patch_torch_native_chunked_attention)
         _patch_on_import("sglang.srt.weight_sync.tensor_bucket", _patch_tensor_bucket)
+        if os.environ.get(SAMPLING_SEEDS_ENV) == "1":
+            _patch_on_import("sglang.srt.sampling.sampling_batch_info", _patch_sampling_seeds)
         _applied = True
     return True
+
+
+SAMPLING_SEEDS_ENV = "MEGATRON_RL_SAMPLING_SEEDS"
+
+
+def _with_request_seeds(from_schedule_batch):
+    @functools.wraps(from_schedule_batch)
+    def wrapped(cls, batch, vocab_size: int):
+        info = from_schedule_batch.__func__(cls, batch, vocab_size)
+        seeds = [r.sampling_params.sampling_seed for r in batch.reqs]
+        if info.sampling_seed is None and seeds and all(s is not None for s in seeds):
+            info.sampling_seed = torch.tensor(seeds, dtype=torch.int64, device=info.device)
+        return info
+
+    return classmethod(wrapped)
+
+
+def _patch_sampling_seeds(module) -> None:
+    cls = module.SamplingBatchInfo
+    cls.from_schedule_batch = _with_request_seeds(cls.__dict__["from_schedule_batch"])
+    _register_murmur_hash32_cpu()
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
+    """(a * c) mod 2**32 for uint32 values held in int64, without int64 overflow."""
+    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _MASK32
+
+
+def _murmur3_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+    h = _rotl32(h ^ k, 13)
+    return (_mul32(h, 5) + 0xE6546B64) & _MASK32
+
+
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor,
+                      col_indices: torch.Tensor) -> torch.Tensor:
+    """sgl_kernel's CPU MurmurHash3 of (64-bit seed, 32-bit position, 32-bit column) per
+    [row, column], as SGLang's Triton kernel (sglang/kernels/ops/sampling/murmur_hash.py) mixes
+    them: the uniform noise of `multinomial_with_seed`. [n] x [n] x [m] -> [n, m] (int64 values
+    in [0, 2**32))."""
+    seed = seed.to(torch.int64)
+    low, high = (seed & _MASK32)[:, None], ((seed >> 32) & _MASK32)[:, None]
+    pos = (positions.to(torch.int64) & _MASK32)[:, None]
+    col = (col_indices.to(torch.int64) & _MASK32)[None, :]
+    h = torch.zeros((seed.shape[0], 1), dtype=torch.int64)
+    for block in (low, high, pos):
+        h = _murmur3_mix(h, block)
+    h = _murmur3_mix(h.expand(-1, col.shape[1]), col.expand(h.shape[0], -1)) ^ 16
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _register_murmur_hash32_cpu() -> None:
+    if hasattr(torch.ops.sgl_kernel, "murmur_hash32_cpu"):
+        return
+    op = torch.library.custom_op("sgl_kernel::murmur_hash32_cpu", mutates_args=())(
+        murmur_hash32_cpu)
+    op.register_fake(lambda seed, positions, col_indices: seed.new_empty(
+        (seed.shape[0], col_indices.shape[0]), dtype=torch.int64))
 
 
 def _install_module(name: str, **attributes) -> types.ModuleType:

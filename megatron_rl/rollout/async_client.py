@@ -143,9 +143,9 @@ class AsyncSGLangClient:
                     raise GeneratorError(f"SGLang server {self.url}: /generate failed with HTTP "
                                          f"{response.status}: {(await response.text())[:2000]}")
                 out = await response.json()
-        except TimeoutError:
-            raise GeneratorError(f"SGLang server {self.url}: /generate timed out after "
-                                 f"{self.request_timeout_s:.0f} s") from None
+        except TimeoutError:  # a hung server: the same recovery as a dead one
+            raise GeneratorDeadError(f"SGLang server {self.url}: /generate timed out after "
+                                     f"{self.request_timeout_s:.0f} s") from None
         if not isinstance(out, dict) or "meta_info" not in out:
             raise GeneratorError(f"SGLang server {self.url}: /generate returned "
                                  f"{type(out).__name__}, not one completion")

@@ -10,8 +10,17 @@ One asyncio event loop (a Ray async actor in a cluster run, or the driver's own 
 - take: the trainer asks for `prompts_per_step` groups; each is checked against the staleness
   bound at take time (fresh: trained; stale: re-queued or dropped, as the gate's policy says).
 
-A failing generator or verifier stops the manager: `take` raises `RolloutError` naming it, never
-a silent partial batch.
+Generator failures (a request that finds the server gone or unresponsive, or the driver's health
+check through `mark_down`) take that engine out of the rotation: its groups in flight are
+cancelled and re-queued once each under their own group ids (same prompt, same sampling seeds) for
+the engines still up, and the failure is reported through `take_failures()`; the driver restarts
+the engine, re-syncs its weights and returns it with `mark_up`. A verifier that raises, or any
+other error, stops the manager: `take` raises `RolloutError` naming it, never a silent partial
+batch.
+
+`state_dict()` / `load_state_dict()` carry the manager (with its sampler and admission gate)
+through a run checkpoint: the buffered groups with their samples, the groups in flight (as tickets:
+regenerated under the same group ids on resume), the re-queued prompts and the next group id.
 """
 from __future__ import annotations
 
@@ -19,13 +28,14 @@ import asyncio
 import collections
 import dataclasses
 import random
+import time
 from collections.abc import Callable, Sequence
 
 from megatron_rl.rollout.interruption import (InterruptionSettings, bind_generate,
                                                generate_completion)
 from megatron_rl.rollout.samples import RolloutSample
 from megatron_rl.rollout.staleness import AdmissionGate, TakeDecision
-from megatron_rl.rollout.types import SamplingParams
+from megatron_rl.rollout.types import GeneratorDeadError, SamplingParams
 
 # (completion texts, their prompt records) -> reward results, in order (RewardRegistry.score_many)
 ScoreFn = Callable[[list, list], list]
@@ -33,6 +43,24 @@ ScoreFn = Callable[[list, list], list]
 
 class RolloutError(RuntimeError):
     """Rollouts cannot go on (a generator died, a verifier raised); the message names it."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GroupTicket:
+    """An admitted group not finished yet: what regenerates it (same id, same seeds)."""
+
+    group_id: int
+    prompt_index: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class GeneratorFailure:
+    """A generator taken out of the rotation (`RolloutManager.take_failures`)."""
+
+    index: int  # into the manager's clients
+    reason: str
+    detected_at: float  # time.time()
+    requeued_groups: int  # its groups in flight, re-queued under their ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,8 +104,12 @@ class RolloutManager:
         self.seed = seed
         self.version = 0  # the newest policy version the generators hold
         self._finished: collections.deque[FinishedGroup] = collections.deque()
-        self._requeued: collections.deque[int] = collections.deque()
-        self._running: set[asyncio.Task] = set()
+        self._requeued: collections.deque[int] = collections.deque()  # stale: new group ids
+        self._retry: collections.deque[GroupTicket] = collections.deque()  # same group ids
+        self._running: dict[asyncio.Task, tuple[GroupTicket, int]] = {}  # -> (ticket, client)
+        self._down: set[int] = set()  # clients out of the rotation
+        self._failures: list[GeneratorFailure] = []
+        self._discarded: list[tuple[int, int, str]] = []  # (group id, prompt, decision)
         self._next_group_id = 0
         self._error: BaseException | None = None
         # Set on every change (a version, a finished group, a take, an error); one event per
@@ -94,8 +126,9 @@ class RolloutManager:
         self._admitter = asyncio.get_running_loop().create_task(self._admit_forever())
 
     async def stop(self) -> None:
-        """Cancel admission and every group in flight."""
+        """Cancel admission and every group in flight (take `state_dict` first to keep them)."""
         tasks = [t for t in (self._admitter, *self._running) if t is not None]
+        self._admitter = None
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -119,12 +152,65 @@ class RolloutManager:
     def num_finished(self) -> int:
         return len(self._finished)
 
+    @property
+    def next_group_id(self) -> int:
+        return self._next_group_id
+
+    def outstanding_group_ids(self) -> list[int]:
+        """Admitted groups not taken yet: buffered, generating, or waiting to be regenerated."""
+        return sorted([g.group_id for g in self._finished]
+                      + [t.group_id for t, _ in self._running.values()]
+                      + [t.group_id for t in self._retry])
+
+    # ------------------------------------------------------------------ generator failures
+
+    @property
+    def down(self) -> frozenset[int]:
+        """Indices of the clients out of the rotation."""
+        return frozenset(self._down)
+
+    def mark_down(self, index: int, reason: str) -> None:
+        """Take generator `index` out of the rotation: its groups in flight are cancelled and
+        re-queued (once each, same group ids) for the others; reported by `take_failures`.
+        A no-op for one already down."""
+        if index in self._down:
+            return
+        self._down.add(index)
+        requeued = 0
+        for task, (ticket, client) in list(self._running.items()):
+            if client == index:
+                del self._running[task]  # its done-callback now ignores it
+                task.cancel()
+                self._retry.append(ticket)
+                requeued += 1
+        self._failures.append(GeneratorFailure(index=index, reason=reason,
+                                               detected_at=time.time(),
+                                               requeued_groups=requeued))
+        self._notify()
+
+    def mark_up(self, index: int, client) -> None:
+        """Generator `index` serves again (restarted and re-synced), through `client`."""
+        self.clients[index] = client
+        self._down.discard(index)
+        self._notify()
+
+    def take_failures(self) -> list[GeneratorFailure]:
+        """The generators taken out of the rotation since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def take_discarded(self) -> list[tuple[int, int, str]]:
+        """(group id, prompt index, "requeue" | "drop") of the stale groups `take` discarded
+        since the last call."""
+        discarded, self._discarded = self._discarded, []
+        return discarded
+
     # ------------------------------------------------------------------ take
 
     async def take(self, num_groups: int) -> list[FinishedGroup]:
-        """`num_groups` fresh groups for the trainer's next step (from the current version);
-        stale ones on the way are re-queued or dropped by the gate's policy. Each taken group's
-        verified pass rate goes to the No-Positive-Resampling sampler."""
+        """`num_groups` fresh groups for the trainer's next step (from the current version), in
+        group-id order; stale ones on the way are re-queued or dropped by the gate's policy.
+        Each taken group's verified pass rate goes to the No-Positive-Resampling sampler."""
         taken: list[FinishedGroup] = []
         while len(taken) < num_groups:
             self._raise_if_failed()
@@ -139,16 +225,19 @@ class RolloutManager:
                 if not any(r.verifier_failed for r in group.results):  # no verdict, no history
                     passed = sum(r.passed for r in group.results) / len(group.results)
                     self.sampler.update([group.prompt_index], [passed])
-            elif decision == TakeDecision.REQUEUE:
-                self._requeued.append(group.prompt_index)
+            else:
+                self._discarded.append((group.group_id, group.prompt_index, str(decision)))
+                if decision == TakeDecision.REQUEUE:
+                    self._requeued.append(group.prompt_index)
             self._notify()  # buffer room: admission may go on
-        return taken
+        # The batch's order does not depend on which group finished first (deterministic runs).
+        return sorted(taken, key=lambda g: g.group_id)
 
     async def wait_until_idle(self) -> None:
         """Return once no group is generating (colocated placement: before the generators'
         memory is released for training; the synchronous schedules admit nothing new until the
         next version, so this ends)."""
-        while self._running:
+        while self._running or self._retry:
             self._raise_if_failed()
             self._idle_wakeup.clear()
             await self._idle_wakeup.wait()
@@ -158,44 +247,112 @@ class RolloutManager:
         if self._error is not None:
             raise RolloutError(f"rollouts stopped: {self._error}") from self._error
 
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue (call on the manager's event loop, so that it is one
+        consistent moment): the sampler and gate states, the buffered groups, the groups in
+        flight or waiting as tickets, the re-queued prompts, the next group id, the version."""
+        return {
+            "version": self.version,
+            "next_group_id": self._next_group_id,
+            "finished": list(self._finished),
+            "tickets": sorted([t for t, _ in self._running.values()] + list(self._retry),
+                              key=lambda t: t.group_id),
+            "requeued": list(self._requeued),
+            "sampler": self.sampler.state_dict(),
+            "gate": self.gate.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a `state_dict` (before `start`, or after `stop`): the tickets are
+        regenerated first, under their own group ids, with the current weights."""
+        if self._running or self._admitter is not None:
+            raise RuntimeError("load_state_dict on a running rollout manager; stop() it first")
+        self.sampler.load_state_dict(state["sampler"])
+        self.gate.load_state_dict(state["gate"])
+        self.version = state["version"]
+        self._next_group_id = state["next_group_id"]
+        self._finished = collections.deque(state["finished"])
+        self._retry = collections.deque(state["tickets"])
+        self._requeued = collections.deque(state["requeued"])
+        self._discarded, self._failures, self._error = [], [], None
+        expected = len(self._finished) + len(self._retry)
+        if self.gate.num_outstanding != expected:
+            raise ValueError(f"rollout state: the admission gate counts "
+                             f"{self.gate.num_outstanding} groups outstanding but the state "
+                             f"holds {expected} (buffered + in flight); it is inconsistent")
+
     # ------------------------------------------------------------------ admission
 
     async def _admit_forever(self) -> None:
         while True:
+            while self._retry and self._error is None and self._up_client(0) is not None:
+                self._launch(self._retry.popleft())
             while (self.gate.may_admit(self.version) and self._error is None
-                   and len(self._finished) + len(self._running) < self.max_finished_groups):
+                   and self._up_client(0) is not None
+                   and len(self._finished) + len(self._running) + len(self._retry)
+                   < self.max_finished_groups):
                 self._admit_one()
             self._admission_wakeup.clear()
             await self._admission_wakeup.wait()
+
+    def _up_client(self, group_id: int) -> int | None:
+        """The client for a group: group_id modulo the clients when that one is up (the same
+        engine every run), else the least busy one up; None when all are down."""
+        preferred = group_id % len(self.clients)
+        if preferred not in self._down:
+            return preferred
+        up = [i for i in range(len(self.clients)) if i not in self._down]
+        if not up:
+            return None
+        load = collections.Counter(client for _, client in self._running.values())
+        return min(up, key=lambda i: (load[i], i))
 
     def _admit_one(self) -> None:
         prompt_index = self._requeued.popleft() if self._requeued else self.sampler.sample(1)[0]
         self.gate.on_admit(self.version)
         group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
+        self._launch(GroupTicket(group_id=group_id, prompt_index=prompt_index))
+
+    def _launch(self, ticket: GroupTicket) -> None:
+        client = self._up_client(ticket.group_id)
         task = asyncio.get_running_loop().create_task(
-            self._run_group(group_id, prompt_index, self.version))
-        self._running.add(task)
+            self._run_group(ticket, client, self.version))
+        self._running[task] = (ticket, client)
         task.add_done_callback(self._group_done)
 
     def _group_done(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._error is None:
-            self._error = task.exception()
+        entry = self._running.pop(task, None)
+        if entry is None:  # cancelled by mark_down (re-queued) or by stop()
+            return
+        if not task.cancelled() and task.exception() is not None:
+            error = task.exception()
+            if isinstance(error, GeneratorDeadError):
+                ticket, client = entry
+                self._retry.append(ticket)  # before mark_down, which re-queues the others
+                self.mark_down(client, str(error))
+            elif self._error is None:
+                self._error = error
         self._notify()
 
-    async def _run_group(self, group_id: int, prompt_index: int, version: int) -> None:
-        client = self.clients[group_id % len(self.clients)]
+    async def _run_group(self, ticket: GroupTicket, client_index: int, version: int) -> None:
+        client = self.clients[client_index]
+        group_id, prompt_index = ticket.group_id, ticket.prompt_index
         extra_key = f"v{version}"  # no cached KV of another policy version is ever reused
 
-        samples = await asyncio.gather(*(
-            generate_completion(bind_generate(  # each sample its own seed: SamplingParams.seed
-                                    client, self.params.for_sample("train", group_id, k),
-                                    extra_key=extra_key),
-                                self.prompt_token_ids[prompt_index],
-                                settings=self.interruption,
-                                rng=random.Random(f"{self.seed}/{group_id}/{k}"),
-                                group_id=group_id, sample_index=k)
-            for k in range(self.params.num_samples)))
+        try:
+            async with asyncio.TaskGroup() as samples_group:  # one failure cancels the rest
+                tasks = [samples_group.create_task(generate_completion(
+                    bind_generate(  # each sample its own seed: SamplingParams.seed
+                        client, self.params.for_sample("train", group_id, k),
+                        extra_key=extra_key),
+                    self.prompt_token_ids[prompt_index], settings=self.interruption,
+                    rng=random.Random(f"{self.seed}/{group_id}/{k}"), group_id=group_id,
+                    sample_index=k)) for k in range(self.params.num_samples)]
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None  # the first failure, as it was raised
+        samples = [task.result() for task in tasks]
         texts = [self.decode(sample.token_ids) for sample in samples]
         record = self.records[prompt_index]
         results = await asyncio.to_thread(self.score, texts, [record] * len(texts))

@@ -10,6 +10,28 @@ from megatron_rl.platform.sglang_cpu import apply_sglang_cpu_fixes
 
 apply_sglang_cpu_fixes()
 
+
+
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """Stop this server when the process that launched it dies (a Ray actor killed with its
+    driver): the server runs in a session of its own, so nothing else would. SGLang's scheduler
+    and detokenizer already end with this process (PR_SET_PDEATHSIG)."""
+    import os
+    import threading
+    import time
+
+    from sglang.srt.utils import kill_process_tree
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        kill_process_tree(os.getpid(), include_parent=True)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 if __name__ == "__main__":
     import os
     import sys
@@ -18,6 +40,7 @@ if __name__ == "__main__":
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
+    _exit_with_parent()
     try:
         run_server(prepare_server_args(sys.argv[1:]))
     finally:

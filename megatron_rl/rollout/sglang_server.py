@@ -76,6 +76,9 @@ class SGLangServerSettings:
     enable_memory_saver: bool = False
     visible_devices: tuple[str, ...] | None = None
     extra_args: tuple[str, ...] = ()  # further SGLang CLI arguments, verbatim
+    # Sample each request from its own sampling_seed (rollout.deterministic): on CPU through
+    # megatron_rl.platform.sglang_cpu's fix 8, on GPU with --enable-deterministic-inference.
+    honour_sampling_seeds: bool = False
     startup_timeout_s: float = 300.0
     request_timeout_s: float = 300.0
     max_retries: int = 3
@@ -95,6 +98,10 @@ class SGLangServerSettings:
         if rollout.backend != "sglang":
             raise ValueError(f"rollout.backend is {rollout.backend!r}; these are SGLang server "
                              "settings (rollout.backend: sglang)")
+        if rollout.deterministic:  # a completion = f(prompt, seed, weights)
+            fields["extra_args"] = (*fields.get("extra_args", ()), "--max-running-requests", "1",
+                                    "--disable-radix-cache")
+            fields["honour_sampling_seeds"] = True
         return cls(model_path=model_path, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
                    dtype=rollout.dtype, mem_fraction_static=rollout.mem_fraction_static,
                    enable_fp32_lm_head=rollout.enable_fp32_lm_head,
@@ -131,6 +138,8 @@ class SGLangServerSettings:
                 # The CPU attention backend reads a separate sliding-window KV pool with the
                 # wrong slot indices (platform/sglang_cpu.py, fix 7): one pool for all layers.
                 args.append("--disable-hybrid-swa-memory")
+        elif self.honour_sampling_seeds:  # SGLang's own switch (needs a GPU attention backend)
+            args.append("--enable-deterministic-inference")
         for flag, value in (("--mem-fraction-static", self.mem_fraction_static),
                             ("--max-total-tokens", self.max_total_tokens),
                             ("--context-length", self.context_length)):
@@ -179,13 +188,15 @@ class SGLangServer:
 
     @classmethod
     def launch(cls, settings: SGLangServerSettings, *, wait: bool = True) -> "SGLangServer":
-        from megatron_rl.platform.sglang_cpu import sglang_cpu_environment
+        from megatron_rl.platform.sglang_cpu import SAMPLING_SEEDS_ENV, sglang_cpu_environment
 
         port = settings.port or free_port(settings.host)
         log_path = settings.log_path or tempfile.mkstemp(prefix="sglang_", suffix=".log")[1]
         env = dict(os.environ)
         if settings.resolved_device == "cpu":
             env.update(sglang_cpu_environment())
+            if settings.honour_sampling_seeds:
+                env[SAMPLING_SEEDS_ENV] = "1"
         if settings.visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(settings.visible_devices)
         command = [sys.executable, "-m", "megatron_rl.rollout.sglang_launch",

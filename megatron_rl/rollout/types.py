@@ -42,10 +42,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     num_samples: int = 1  # completions per prompt (G of the group)
-    # Sampling seed (reproducible sampling). SGLang draws the noise of a seeded request from
-    # (seed, position, token) alone (sglang/srt/layers/sampler.py multinomial_with_seed), so two
-    # requests with one seed and one prompt sample the SAME completion: every sample of a group
-    # needs its own seed (`for_sample`).
+    # Sampling seed. Where SGLang honours it (--enable-deterministic-inference on GPU, or
+    # rollout.deterministic on CPU: platform/sglang_cpu.py fix 8) a seeded request's noise comes
+    # from (seed, position, token) alone (sglang/srt/layers/sampler.py multinomial_with_seed), so
+    # two requests with one seed and one prompt sample the SAME completion: every sample of a
+    # group needs its own seed (`for_sample`). Elsewhere SGLang samples from the engine's stream.
     seed: int | None = None
     purpose: str = "train"  # train | eval; not sent to SGLang
 

@@ -225,10 +225,12 @@ class WeightSync:
     def _is_coordinator(self) -> bool:
         return dist.get_rank() == 0
 
-    def sync(self) -> SyncReport:
-        """Push the current weights; every trainer rank calls it. Returns this rank's report."""
+    def sync(self, version: int | None = None) -> SyncReport:
+        """Push the current weights as policy `version` (default: the next one); every trainer
+        rank calls it. Returns this rank's report. A given version re-labels: a resumed or
+        restored run, or a restarted generator, gets the version the trainer's weights are."""
         start = time.perf_counter()
-        version = self.version + 1
+        version = self.version + 1 if version is None else version
         counts = _Counts()
         session = not isinstance(self.transport, DiskTransport)  # disk: one atomic reload
         control = _UpdateControl(self.generators, self.settings.pause_mode, session=session,

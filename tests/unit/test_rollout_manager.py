@@ -1,6 +1,6 @@
-"""The rollout manager's failure path without a server: a generator that is gone stops the
-manager with an error naming it (the live-server behaviour is in
-tests/integration/test_rollout_live.py)."""
+"""The rollout manager's scheduling logic without a server: generator failures (taken out of the
+rotation, groups regenerated once under their ids), checkpoint state, sampling seeds. The
+live-server behaviour is in tests/integration/test_rollout_live.py and the chaos tests."""
 import asyncio
 
 import pytest
@@ -17,12 +17,15 @@ from megatron_rl.rollout.staleness import AdmissionGate, StalenessSettings
 pytestmark = pytest.mark.unit
 
 
-def _manager(client, record, *, params, prompts_per_step, score):
-    """A manager over one prompt (tokens [5, 6]) and one client, no forced interruption."""
+def _manager(client, record, *, params, prompts_per_step, score, clients=None, num_prompts=1,
+             max_off_policyness=0):
+    """A manager over `num_prompts` prompts (tokens [5, 6]) and one client (or `clients`), no
+    forced interruption."""
     return RolloutManager(
-        clients=[client], prompt_token_ids=[[5, 6]], records=[record],
-        sampler=NoPositiveResamplingSampler(1, seed=0),
-        gate=AdmissionGate(StalenessSettings(max_off_policyness=0,
+        clients=clients or [client], prompt_token_ids=[[5, 6]] * num_prompts,
+        records=[record] * num_prompts,
+        sampler=NoPositiveResamplingSampler(num_prompts, seed=0, enabled=False),
+        gate=AdmissionGate(StalenessSettings(max_off_policyness=max_off_policyness,
                                              prompts_per_step=prompts_per_step)),
         params=params,
         interruption=InterruptionSettings(enabled=False, thinking_budget_min=4,
@@ -30,25 +33,159 @@ def _manager(client, record, *, params, prompts_per_step, score):
         score=score, decode=str, max_finished_groups=2 * prompts_per_step)
 
 
-def test_a_dead_generator_stops_the_manager_with_its_name():
+def _wrong(texts, records):
+    from megatron_rl.rewards.types import Reason, RewardResult
+
+    return [RewardResult(reward=0.0, reason=Reason.WRONG, pass_fraction=0.0)] * len(texts)
+
+
+class ScriptedClient:
+    """A stand-in generator for scheduling logic only (the live server is in
+    tests/integration/test_rollout_live.py): answers one token and records the seeds it was
+    asked for; `hang` makes every request wait until cancelled."""
+
+    def __init__(self, *, hang=False):
+        self.seeds = []
+        self.hang = hang
+        self.cancelled = 0
+        self.version = 0  # the policy version its answers are labelled with
+
+    async def generate_one(self, input_ids, max_new_tokens, params, *, extra_key=None):
+        from megatron_rl.rollout import GenerationResult
+
+        self.seeds.append(params.seed)
+        if self.hang:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return GenerationResult(prompt_index=0, sample_index=0,
+                                prompt_token_ids=tuple(input_ids), token_ids=(9,),
+                                logprobs=(-0.1,), versions=(self.version,),
+                                finish_reason="stop")
+
+
+RECORD = PromptRecord(prompt_id="p0", task="rg/x", prompt="1 + 1 =", answer="2")
+
+
+def test_a_dead_generator_is_taken_out_and_its_group_regenerated_once_elsewhere():
+    """Generator 0 is a real client of a port nothing listens on: its group fails, the manager
+    takes it out of the rotation, reports it by URL, and generates the group again, under the
+    same group id and seeds, on generator 1 (a scripted stand-in); nothing is lost or doubled."""
+    from megatron_rl.rollout.types import derive_seed
+
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    record = PromptRecord(prompt_id="p0", task="rg/x", prompt="1 + 1 =", answer="2")
+    params = SamplingParams(max_new_tokens=1, num_samples=2, seed=7)
 
     async def run():
-        async with AsyncSGLangClient(url, request_timeout_s=30) as client:
-            manager = _manager(client, record, params=SamplingParams(max_new_tokens=1,
-                                                                     num_samples=2),
-                               prompts_per_step=1,
-                               score=lambda texts, records: pytest.fail("nothing to score"))
+        good = ScriptedClient()
+        async with AsyncSGLangClient(url, request_timeout_s=30, connection_retries=0) as dead:
+            manager = _manager(None, RECORD, params=params, prompts_per_step=2, score=_wrong,
+                               clients=[dead, good], num_prompts=4)
             manager.start()
             try:
-                await asyncio.wait_for(manager.take(1), timeout=60)
+                groups = await asyncio.wait_for(manager.take(2), timeout=60)
             finally:
                 await manager.stop()
+        return manager, groups, good
 
-    with pytest.raises(RolloutError, match=f"rollouts stopped: SGLang server {url} does not "
-                                           "answer /generate"):
-        asyncio.run(run())
+    manager, groups, good = asyncio.run(run())
+    assert [g.group_id for g in groups] == [0, 1]
+    failures = manager.take_failures()
+    assert len(failures) == 1 and failures[0].index == 0 and url in failures[0].reason
+    assert failures[0].requeued_groups == 0  # the failing group itself re-queued, no other
+    assert manager.down == {0}
+    # Group 0 ran on generator 1 with its own seeds: the same samples a healthy run draws.
+    assert sorted(good.seeds) == sorted(derive_seed(7, "train", g, k)
+                                        for g in range(2) for k in range(2))
+    assert manager.gate.num_admitted == 2 and manager.gate.num_trained == 2
+
+
+def test_mark_down_cancels_a_hung_generators_groups_and_requeues_each_once():
+    """A hung generator (requests never answer) is taken out by the driver's health check
+    (`mark_down`): its groups in flight are cancelled and regenerated on the others, once each;
+    `mark_up` puts a restarted one back."""
+    async def run():
+        hung, good = ScriptedClient(hang=True), ScriptedClient()
+        manager = _manager(None, RECORD, params=SamplingParams(max_new_tokens=1, num_samples=2),
+                           prompts_per_step=2, score=_wrong, clients=[hung, good],
+                           num_prompts=4)
+        manager.start()
+        try:
+            while not hung.seeds:
+                await asyncio.sleep(0.01)
+            assert manager.num_in_flight >= 1
+            manager.mark_down(0, "no health answer within 30 s")
+            manager.mark_down(0, "again")  # already down: no second report, no re-queue
+            groups = await asyncio.wait_for(manager.take(2), timeout=60)
+            replacement = ScriptedClient()
+            replacement.version = good.version = 1
+            manager.mark_up(0, replacement)
+            manager.publish_version(1)
+            more = await asyncio.wait_for(manager.take(2), timeout=60)
+        finally:
+            await manager.stop()
+        return manager, groups, more, hung, replacement
+
+    manager, groups, more, hung, replacement = asyncio.run(run())
+    assert hung.cancelled == 2  # group 0's two samples
+    failures = manager.take_failures()
+    assert [(f.index, f.requeued_groups) for f in failures] == [(0, 1)]
+    ids = [g.group_id for g in groups + more]
+    assert ids == [0, 1, 2, 3]  # each once, in order
+    assert replacement.seeds  # back in the rotation: group 2 went to generator 0 again
+    assert manager.down == frozenset()
+
+
+def test_state_dict_restores_buffer_and_regenerates_groups_in_flight_under_their_ids():
+    """A checkpoint taken while groups are buffered and in flight: a new manager loaded from it
+    trains the buffered groups as they were and regenerates the in-flight ones under the same
+    group ids (same seeds), then continues with new ids; the sampler and gate carry over."""
+    import pickle
+
+    from megatron_rl.rollout.types import derive_seed
+
+    params = SamplingParams(max_new_tokens=1, num_samples=2, seed=3)
+
+    async def first_run():
+        hung = ScriptedClient(hang=True)
+        good = ScriptedClient()
+        manager = _manager(None, RECORD, params=params, prompts_per_step=2, score=_wrong,
+                           clients=[good, hung], num_prompts=8, max_off_policyness=1)
+        manager.start()
+        try:
+            while manager.num_finished < 2 or not hung.seeds:
+                await asyncio.sleep(0.01)
+            state = pickle.loads(pickle.dumps(manager.state_dict()))
+        finally:
+            await manager.stop()
+        return state
+
+    state = asyncio.run(first_run())
+    # Groups 0, 2 (generator 0) finished; 1, 3 (hung generator 1) in flight.
+    assert sorted(g.group_id for g in state["finished"]) == [0, 2]
+    assert [t.group_id for t in state["tickets"]] == [1, 3]
+
+    async def resumed():
+        clients = [ScriptedClient(), ScriptedClient()]
+        manager = _manager(None, RECORD, params=params, prompts_per_step=2, score=_wrong,
+                           clients=clients, num_prompts=8, max_off_policyness=1)
+        manager.load_state_dict(state)
+        manager.start()
+        try:
+            step1 = await asyncio.wait_for(manager.take(2), timeout=60)
+            manager.publish_version(1)
+            step2 = await asyncio.wait_for(manager.take(2), timeout=60)
+        finally:
+            await manager.stop()
+        return manager, step1, step2, clients[0].seeds + clients[1].seeds
+
+    manager, step1, step2, seeds = asyncio.run(resumed())
+    assert [g.group_id for g in step1] == [0, 2]  # the buffered groups, as saved
+    assert [g.group_id for g in step2] == [1, 3]  # regenerated under their own ids
+    assert {derive_seed(3, "train", g, k) for g in (1, 3) for k in range(2)} <= set(seeds)
+    assert manager.next_group_id >= 4 and manager.gate.num_trained == 4
 
 
 def test_every_sample_of_a_group_gets_its_own_sampling_seed():

@@ -1,0 +1,11 @@
+"""Fault tolerance (docs/fault_tolerance.md): run checkpoints written atomically with a manifest
+and verified on load (checkpoint.py), the run's ledgers of trained groups and detected faults
+(ledger.py), and the fault injection the chaos tests use (faults.py). The recovery itself
+(generator restarts, trainer restarts from the last checkpoint, graceful stop) is in
+megatron_rl/run_setup.py and megatron_rl/train.py."""
+from megatron_rl.resilience.checkpoint import (RunCheckpointError, latest_valid,
+                                               list_checkpoints, verify)
+from megatron_rl.resilience.ledger import check_ledger, read_jsonl
+
+__all__ = ["RunCheckpointError", "check_ledger", "latest_valid", "list_checkpoints",
+           "read_jsonl", "verify"]
