@@ -406,9 +406,10 @@ class RolloutConfig:
         "slow: for tests and debugging)")
     health_check_interval_s: float = _field(10.0, "how often every generator is health-checked "
                                             "while the trainer waits for groups", gt=0.0)
-    max_generator_restarts: int = _field(3, "restarts of one generator in a row (with backoff) "
-                                         "before it is given up; the run goes on without it "
-                                         "while others are up", ge=0)
+    max_generator_restarts: int = _field(3, "restarts of one generator in a row (with backoff; "
+                                         "a restart that fails again within 5 minutes counts "
+                                         "on) before it is given up; the run goes on without "
+                                         "it while others are up", ge=0)
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -38,6 +38,10 @@ from megatron_rl.resilience import faults, ledger
 _RESTORED_FILES = ("scaling.jsonl", ledger.LEDGER)
 
 
+_STABLE_S = 300.0  # a generator up this long since its restart has recovered
+_HEALTH_STRIKES = 2  # health checks in a row a generator must fail to count as hung
+
+
 class TrainerFailure(RuntimeError):
     """A trainer rank died or hung (the run restores the trainer group from a checkpoint)."""
 
@@ -77,7 +81,11 @@ class RunSetup:
         self.last_checkpoint_step: int | None = None
         self._initial: tuple[dict, dict[str, bytes]] | None = None  # restore point before step 1
         self._trainer_restarts = 0
-        self._generator_restarts: dict[int, int] = {}  # consecutive failed restarts
+        # Restarts of a generator in a row: one that fails again within _STABLE_S of its
+        # restart (a crash loop) counts on; rollout.max_generator_restarts of them: given up.
+        self._generator_restarts: dict[int, int] = {}
+        self._restarted_at: dict[int, float] = {}
+        self._health_strikes: dict[int, int] = {}  # failed timer health checks in a row
         self._given_up: set[int] = set()
         self._last_health_check = 0.0
         self._failures: list = []  # GeneratorFailure reports not yet recovered
@@ -417,17 +425,23 @@ class RunSetup:
 
     # ------------------------------------------------------------------ generator failures
 
-    def check_generators(self, *, now: bool = False) -> None:
+    def check_generators(self, *, now: bool = False, strikes: int = _HEALTH_STRIKES) -> None:
         """Health-check every generator (every rollout.health_check_interval_s, or `now`),
-        take the failed or hung ones out of the rotation and restart them."""
+        take the ones failing `strikes` checks in a row (or a request) out of the rotation and
+        restart them."""
         interval = self.cfg.rollout.health_check_interval_s
         if now or time.monotonic() - self._last_health_check >= interval:
             self._last_health_check = time.monotonic()
             up = set(range(len(self.clients))) - self._call(self._async(
                 lambda: self.manager.down))
-            for index, reason in self.generators.unhealthy(timeout_s=30.0).items():
-                if index in up:
-                    self._call(self._async(lambda i=index, r=reason: self.manager.mark_down(i, r)))
+            unhealthy = self.generators.unhealthy(timeout_s=30.0)
+            for index in up:
+                self._health_strikes[index] = self._health_strikes.get(index, 0) + 1 \
+                    if index in unhealthy else 0
+                if self._health_strikes[index] >= strikes:  # a busy engine may miss one
+                    self._health_strikes[index] = 0
+                    self._call(self._async(lambda i=index, r=unhealthy[index]:
+                                           self.manager.mark_down(i, r)))
         failures = self._call(self._async(self.manager.take_failures))
         self._failures += failures
         down = self._call(self._async(lambda: self.manager.down)) - self._given_up
@@ -446,12 +460,14 @@ class RunSetup:
         failure = next((f for f in self._failures if f.index == index), None)
         name = self.generators.names[index]
         limit = self.cfg.rollout.max_generator_restarts
+        if time.monotonic() - self._restarted_at.get(index, -math.inf) > _STABLE_S:
+            self._generator_restarts[index] = 0  # it served a while: a new failure, not a loop
         while True:
             attempt = self._generator_restarts.get(index, 0)
             if attempt >= limit:
                 self._given_up.add(index)
-                notice(f"generator {name!r}: given up after {attempt} failed restart(s); the "
-                       "run goes on with the others")
+                notice(f"generator {name!r}: given up after {attempt} restart(s) that did not "
+                       f"last {_STABLE_S:.0f} s; the run goes on with the others")
                 ledger.record_fault(self.out, kind="generator", what=failure.reason if failure
                                     else name, detected_at=failure.detected_at if failure
                                     else time.time(), recovered_at=None,
@@ -460,6 +476,7 @@ class RunSetup:
                 return
             notice(f"generator {name!r} failed ({failure.reason.splitlines()[0][:200] if failure else 'down'}); "
                    f"restarting it (attempt {attempt + 1} of {limit})")
+            self._generator_restarts[index] = attempt + 1
             try:
                 endpoint = self.generators.restart(index, timeout_s=self.cfg.train.step_timeout_s)
                 self._trainer_call(lambda: self.trainers.sync_new_generators(
@@ -468,11 +485,10 @@ class RunSetup:
             except TrainerFailure:
                 raise
             except Exception as exc:  # noqa: BLE001 (retried with backoff, then given up)
-                self._generator_restarts[index] = attempt + 1
                 notice(f"generator {name!r}: restart failed: {type(exc).__name__}: "
                        f"{str(exc).splitlines()[0][:300]}")
                 time.sleep(min(60.0, 2.0 * 2 ** attempt))
-        self._generator_restarts[index] = 0
+        self._restarted_at[index] = time.monotonic()
         client = AsyncSGLangClient(endpoint.url)
         old, self.clients[index] = self.clients[index], client
         self._call(old.close())
@@ -632,7 +648,7 @@ class RunSetup:
                 timeout_s=self.cfg.train.step_timeout_s))
         except WeightSyncError as exc:  # a generator failed during the sync: restart, retry
             notice(f"{str(exc).splitlines()[0][:300]}; checking the generators and retrying")
-            self.check_generators(now=True)
+            self.check_generators(now=True, strikes=1)  # a failed sync is the first strike
             report = self._trainer_call(lambda: self.trainers.sync_weights(
                 timeout_s=self.cfg.train.step_timeout_s))
         after = self._activity()

@@ -31,29 +31,13 @@ def train(cfg: RunConfig) -> int:
         while run.step < cfg.train.num_steps and not stop.requested:
             try:
                 metrics = one_step(run, cfg, step=run.step + 1)
+                progress.update(1)
+                skipped_in_a_row = skipped_in_a_row + 1 if metrics.get("train/skipped") else 0
+                after_step(run, cfg, skipped_in_a_row=skipped_in_a_row)
             except TrainerFailure as failure:  # restored from the last checkpoint: redo
                 run.recover_trainers(failure)
-                progress.n = run.step
+                progress.n, skipped_in_a_row = run.step, 0
                 progress.refresh()
-                continue
-            step = run.step
-            progress.update(1)
-            skipped_in_a_row = skipped_in_a_row + 1 if metrics.get("train/skipped") else 0
-            if cfg.eval.interval_steps and (step % cfg.eval.interval_steps == 0
-                                            or step == cfg.train.num_steps):
-                run.validate(step)
-            limit = cfg.train.max_consecutive_skipped_steps
-            if limit and skipped_in_a_row >= limit:
-                run.save_checkpoint(step)
-                raise RunStoppedError(
-                    f"{skipped_in_a_row} optimizer steps in a row were skipped for a "
-                    f"non-finite loss or gradient, the last at step {step} "
-                    f"(train.max_consecutive_skipped_steps={limit}); checkpoint "
-                    f"step_{step:06d} was written. Look at train/grad_norm, the learning rate "
-                    "and the step's data in TensorBoard and the ledger, then resume with "
-                    "--resume (e.g. with a lower train.lr)")
-            if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
-                run.save_checkpoint(step)
         if stop.requested and run.last_checkpoint_step != run.step:
             run.save_checkpoint(run.step)
         run.finish()
@@ -97,6 +81,26 @@ def one_step(run, cfg: RunConfig, *, step: int) -> dict[str, float]:
     metrics["perf/step_seconds"] = time.perf_counter() - started
     run.log(step, metrics)
     return metrics
+
+
+def after_step(run, cfg: RunConfig, *, skipped_in_a_row: int) -> None:
+    """Validate and checkpoint as the recipe says; stop (with a checkpoint) after too many
+    skipped steps in a row."""
+    step = run.step
+    if cfg.eval.interval_steps and (step % cfg.eval.interval_steps == 0
+                                    or step == cfg.train.num_steps):
+        run.validate(step)
+    limit = cfg.train.max_consecutive_skipped_steps
+    if limit and skipped_in_a_row >= limit:
+        run.save_checkpoint(step)
+        raise RunStoppedError(
+            f"{skipped_in_a_row} optimizer steps in a row were skipped for a non-finite loss or "
+            f"gradient, the last at step {step} (train.max_consecutive_skipped_steps={limit}); "
+            f"checkpoint step_{step:06d} was written. Look at train/grad_norm, the learning "
+            "rate and the step's data in TensorBoard and the ledger, then resume with --resume "
+            "(e.g. with a lower train.lr)")
+    if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
+        run.save_checkpoint(step)
 
 
 class RunStoppedError(RuntimeError):

@@ -197,6 +197,10 @@ class SGLangServer:
             env.update(sglang_cpu_environment())
             if settings.honour_sampling_seeds:
                 env[SAMPLING_SEEDS_ENV] = "1"
+                # SGLang torch.compiles the seeded sampler; inductor's C++ build on CPU shares
+                # one cache under /tmp, and a server killed mid-build leaves a truncated .so
+                # there that crashes every later server. Eager is exact and fast enough here.
+                env["TORCHDYNAMO_DISABLE"] = "1"
         if settings.visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(settings.visible_devices)
         command = [sys.executable, "-m", "megatron_rl.rollout.sglang_launch",

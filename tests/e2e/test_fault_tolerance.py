@@ -25,6 +25,9 @@ from _checks import ROOT, processes_left, scalars, tiny_llama_checkpoint  # noqa
 pytestmark = pytest.mark.e2e
 
 COMMON = ["logging.progress_bar=false", "eval.at_step_zero=false", "eval.interval_steps=0",
+          # SGLang sizes its KV cache from the memory free before and after loading; two servers
+          # or runs starting at once move that by a few percent, more than 0.05 leaves.
+          "rollout.mem_fraction_static=0.2",
           # The random starting policy solves nothing: keep the zero-variance groups so that
           # every step runs the trainer.
           "algorithm.zero_variance_filter=false"]
@@ -148,7 +151,7 @@ def test_chaos_generators_and_trainer_die_and_hang_nothing_is_lost(tmp_path):
     """Pipeline-RL (k = 2) with two generators, 8 steps. Faults, in order: generator-0's server
     is SIGKILLed mid-generation; generator-1's server is SIGSTOPped (hung); step 3's loss is NaN;
     the trainer rank is SIGKILLed. The run recovers from each (restarts the generators and
-    re-syncs them; restores the trainer from step 4's checkpoint), reaches step 8, and its
+    re-syncs them; restores the trainer from its last checkpoint), reaches step 8, and its
     ledger has every group id exactly once (no sample lost, none trained twice)."""
     from megatron_rl.resilience.ledger import check_ledger
 
@@ -191,7 +194,9 @@ def test_chaos_generators_and_trainer_die_and_hang_nothing_is_lost(tmp_path):
     assert all(f["recovered_at"] >= f["detected_at"] for f in recovered)
     assert recovered[0]["what"].startswith("generator 'generator-0'")
     assert "generator 'generator-1'" in recovered[1]["what"]
-    assert recovered[2]["restored_step"] == 4 and recovered[2]["steps_lost"] >= 0
+    # Restored to the newest checkpoint before the kill (every 2 steps; step 4 unless the
+    # machine was slow enough for step 6's to be written first).
+    assert recovered[2]["restored_step"] in (4, 6) and recovered[2]["steps_lost"] >= 0
     metrics = scalars(out / "tensorboard")
     assert metrics["train/skipped"][3] == 1.0 and metrics["train/skipped"][8] == 0.0
     assert not _no_orphans(model, proc.pid)
