@@ -161,7 +161,7 @@ def test_chaos_generators_and_trainer_die_and_hang_nothing_is_lost(tmp_path):
                    "rollout.num_generators=2", "rollout.health_check_interval_s=2",
                    "cluster.num_cpus=3",  # 2 generators + 1 trainer rank on a 2-core machine
                    "train.num_steps=8", "checkpoint.interval_steps=2", "checkpoint.keep_last=2",
-                   "weight_sync.timeout_s=60", "train.step_timeout_s=300"],
+                   "weight_sync.timeout_s=20", "train.step_timeout_s=300"],
                   faults="nan_loss@3")
 
     def processes():
