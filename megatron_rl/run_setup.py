@@ -122,8 +122,7 @@ class RunSetup:
         resume = self._resume_point()
         state = self._read_run_state(resume) if resume is not None else None
         if resume is not None:
-            self._put_back_files({name: (resume / name).read_bytes()
-                                  for name in _RESTORED_FILES if (resume / name).is_file()})
+            self._put_back_files(self._restored_files(resume))
         self._open_logs(purge_after=state["step"] if state else None)
         self._stack.callback(lambda: self.writer.close())
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
@@ -168,6 +167,12 @@ class RunSetup:
     def _read_run_state(path: Path) -> dict:
         with open(path / run_checkpoint.RUN_STATE, "rb") as f:
             return pickle.load(f)
+
+    @staticmethod
+    def _restored_files(directory: Path) -> dict[str, bytes]:
+        """The _RESTORED_FILES present in `directory` (a checkpoint, or output_dir)."""
+        return {name: (directory / name).read_bytes() for name in _RESTORED_FILES
+                if (directory / name).is_file()}
 
     def _put_back_files(self, files: dict[str, bytes]) -> None:
         """output_dir's restored files as a checkpoint (or the start of the run) had them."""
@@ -386,8 +391,7 @@ class RunSetup:
         self._window = (self._compute_start, self._activity(), 0.0)
         if self.step == 0:  # a trainer failure before the first checkpoint restores this
             self._initial = (self._call(self._async(self._driver_state)),
-                             {n: (self.out / n).read_bytes() for n in _RESTORED_FILES
-                              if (self.out / n).is_file()})
+                             self._restored_files(self.out))
         self._progress = tqdm(steps, desc=self.cfg.name, unit="step",
                               disable=not self.cfg.logging.progress_bar)
         return self._progress
@@ -440,7 +444,7 @@ class RunSetup:
                     if index in unhealthy else 0
                 if self._health_strikes[index] >= strikes:  # a busy engine may miss one
                     self._health_strikes[index] = 0
-                    self._call(self._async(lambda i=index, r=unhealthy[index]:
+                    self._call(self._async(lambda i=index, r=str(unhealthy[index]):
                                            self.manager.mark_down(i, r)))
         failures = self._call(self._async(self.manager.take_failures))
         self._failures += failures
@@ -459,6 +463,9 @@ class RunSetup:
 
         failure = next((f for f in self._failures if f.index == index), None)
         name = self.generators.names[index]
+        fault = dict(kind="generator", what=failure.reason if failure else name,
+                     detected_at=failure.detected_at if failure else time.time(),
+                     requeued_groups=failure.requeued_groups if failure else 0, steps_lost=0)
         limit = self.cfg.rollout.max_generator_restarts
         if time.monotonic() - self._restarted_at.get(index, -math.inf) > _STABLE_S:
             self._generator_restarts[index] = 0  # it served a while: a new failure, not a loop
@@ -468,13 +475,9 @@ class RunSetup:
                 self._given_up.add(index)
                 notice(f"generator {name!r}: given up after {attempt} restart(s) that did not "
                        f"last {_STABLE_S:.0f} s; the run goes on with the others")
-                ledger.record_fault(self.out, kind="generator", what=failure.reason if failure
-                                    else name, detected_at=failure.detected_at if failure
-                                    else time.time(), recovered_at=None,
-                                    requeued_groups=failure.requeued_groups if failure else 0,
-                                    steps_lost=0, gave_up=True)
+                ledger.record_fault(self.out, recovered=False, **fault)
                 return
-            notice(f"generator {name!r} failed ({failure.reason.splitlines()[0][:200] if failure else 'down'}); "
+            notice(f"generator {name!r} failed ({fault['what'].splitlines()[0][:200]}); "
                    f"restarting it (attempt {attempt + 1} of {limit})")
             self._generator_restarts[index] = attempt + 1
             try:
@@ -496,10 +499,7 @@ class RunSetup:
         self._write_processes()
         if failure is not None:
             self._failures.remove(failure)
-        ledger.record_fault(self.out, kind="generator", what=failure.reason if failure else name,
-                            detected_at=failure.detected_at if failure else time.time(),
-                            requeued_groups=failure.requeued_groups if failure else 0,
-                            steps_lost=0)
+        ledger.record_fault(self.out, **fault)
         notice(f"generator {name!r} is back at {endpoint.url} with policy version "
                f"{self.version}")
 
@@ -539,9 +539,7 @@ class RunSetup:
         self._call(self.manager.stop())
         path = run_checkpoint.latest_valid(self.checkpoint_root, warn=notice)
         if path is not None:
-            state = self._read_run_state(path)
-            files = {n: (path / n).read_bytes() for n in _RESTORED_FILES
-                     if (path / n).is_file()}
+            state, files = self._read_run_state(path), self._restored_files(path)
         elif self._initial is not None:
             state, files = self._initial
         else:

@@ -216,33 +216,14 @@ class GeneratorPool:
     def check_health(self, timeout_s: float = 30.0) -> None:
         """Raise GeneratorDeadError naming every generator whose server or actor is gone (or
         GeneratorError for one that answers with an error); return when all answer."""
-        import ray
-
-        refs = [a.check_health.remote() for a in self.actors]
-        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        problems: list[GeneratorError] = []
-        for i, ref in enumerate(refs):
-            if ref not in ready:
-                problems.append(GeneratorError(f"{self._label(i)}: no health answer within "
-                                               f"{timeout_s:.0f} s"))
-                continue
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause  # raised by the actor: its message names the generator
-                problems.append(cause if isinstance(cause, GeneratorError)
-                                else GeneratorError(f"{self._label(i)}: {cause!r}"))
-            except ray.exceptions.RayActorError as exc:
-                problems.append(GeneratorDeadError(
-                    f"{self._label(i)}: its Ray actor died ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0]})"))
+        problems = list(self.unhealthy(timeout_s).values())
         if len(problems) == 1:
             raise problems[0]
         if problems:
             kind = GeneratorDeadError if any(isinstance(p, GeneratorDeadError)
                                              for p in problems) else GeneratorError
-            raise kind(f"{len(problems)} of {len(refs)} generators failed the health check:\n"
-                       + "\n".join(str(p) for p in problems))
+            raise kind(f"{len(problems)} of {len(self.actors)} generators failed the health "
+                       "check:\n" + "\n".join(str(p) for p in problems))
 
     def restart(self, index: int, *, timeout_s: float | None = None) -> GeneratorEndpoint:
         """Replace generator `index`'s server with a fresh one (same settings, version 0 weights
@@ -266,25 +247,30 @@ class GeneratorPool:
                                          timeout=timeout_s)
         return self._endpoints[index]
 
-    def unhealthy(self, timeout_s: float = 30.0) -> dict[int, str]:
-        """{index: reason} of the generators whose server is gone, answers with an error, or
-        does not answer within `timeout_s` (a hung one); {} when all answer."""
+    def unhealthy(self, timeout_s: float = 30.0) -> dict[int, GeneratorError]:
+        """{index: error naming it} of the generators whose server or actor is gone
+        (GeneratorDeadError), that answer with an error, or that do not answer within
+        `timeout_s` (a hung one); {} when all answer."""
         import ray
 
         refs = [a.check_health.remote() for a in self.actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        problems: dict[int, str] = {}
+        problems: dict[int, GeneratorError] = {}
         for i, ref in enumerate(refs):
             if ref not in ready:
-                problems[i] = f"{self._label(i)}: no health answer within {timeout_s:.0f} s"
+                problems[i] = GeneratorError(f"{self._label(i)}: no health answer within "
+                                             f"{timeout_s:.0f} s")
                 continue
             try:
                 ray.get(ref)
             except ray.exceptions.RayTaskError as exc:
-                problems[i] = str(exc.cause)
+                cause = exc.cause  # raised by the actor: its message names the generator
+                problems[i] = cause if isinstance(cause, GeneratorError) \
+                    else GeneratorError(f"{self._label(i)}: {cause!r}")
             except ray.exceptions.RayActorError as exc:
-                problems[i] = (f"{self._label(i)}: its Ray actor died ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0]})")
+                problems[i] = GeneratorDeadError(
+                    f"{self._label(i)}: its Ray actor died ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0]})")
         return problems
 
     def shutdown(self, timeout_s: float = 60.0) -> None:

@@ -15,6 +15,7 @@ ledger.jsonl: the steps after the checkpoint are redone, so their lines are repl
 """
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
@@ -47,9 +48,12 @@ def groups_digest(groups) -> str:
     h = hashlib.sha256()
     for group in groups:
         for sample, result in zip(group.samples, group.results):
-            h.update(repr((sample.group_id, sample.sample_index, sample.token_ids,
-                           sample.logprobs, sample.versions, sample.loss_mask,
-                           result.reward)).encode())
+            # Packed bytes, not repr: a step at scale holds tens of millions of log-probs.
+            h.update(array.array("q", (sample.group_id, sample.sample_index,
+                                       len(sample.token_ids))).tobytes())
+            for ints in (sample.token_ids, sample.versions, sample.loss_mask):
+                h.update(array.array("q", ints).tobytes())
+            h.update(array.array("d", (*sample.logprobs, result.reward)).tobytes())
     return h.hexdigest()
 
 
@@ -59,10 +63,10 @@ def record_end(out: Path, *, next_group_id: int, outstanding: Iterable[int]) -> 
 
 
 def record_fault(out: Path, *, kind: str, what: str, detected_at: float,
-                 recovered_at: float | None = None, **details) -> None:
+                 recovered: bool = True, **details) -> None:
+    """One fault; recovered_at is now (or null for a fault the run gave up on)."""
     _append(out / FAULTS, {"kind": kind, "what": what, "detected_at": detected_at,
-                           "recovered_at": recovered_at if recovered_at is not None
-                           else time.time(), **details})
+                           "recovered_at": time.time() if recovered else None, **details})
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -5,7 +5,7 @@ import Megatron; building an `RLTrainer` does (after the platform's CPU shims).
 """
 from megatron_rl.trainer.batch import MicroBatch, TrainBatch, pack_micro_batches, \
     shard_for_data_parallel
-from megatron_rl.trainer.checkpoint import CheckpointState, checkpoint_name, prune_checkpoints
+from megatron_rl.trainer.checkpoint import CheckpointState
 from megatron_rl.trainer.model import PrecisionChoice, precision_overrides
 from megatron_rl.trainer.optimizer import OptimizerSettings
 from megatron_rl.trainer.parallel import ParallelGroups, ParallelLayout, init_parallel
@@ -24,10 +24,8 @@ __all__ = [
     "StepMetrics",
     "TrainBatch",
     "TrainerSettings",
-    "checkpoint_name",
     "init_parallel",
     "pack_micro_batches",
     "precision_overrides",
-    "prune_checkpoints",
     "shard_for_data_parallel",
 ]

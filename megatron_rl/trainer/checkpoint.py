@@ -14,8 +14,6 @@ import dataclasses
 import os
 import pickle
 import random
-import re
-import shutil
 from typing import Any
 
 import numpy as np
@@ -186,26 +184,3 @@ def _set_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"])
     if rng["tracker"]:
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
-
-
-CHECKPOINT_NAME = re.compile(r"^step_(\d+)$")
-
-
-def checkpoint_name(step: int) -> str:
-    """The directory name of the checkpoint taken after `step` (what prune_checkpoints keeps)."""
-    return f"step_{step:06d}"
-
-
-def prune_checkpoints(directory: str, keep_last: int) -> list[str]:
-    """Delete all but the newest `keep_last` checkpoints (`step_<N>` folders) under `directory`;
-    0 keeps all. Only folders named by `checkpoint_name` are touched; returns the deleted paths.
-    Call it after a save has completed, so the newest kept one is whole."""
-    if keep_last == 0 or not os.path.isdir(directory):
-        return []
-    steps = sorted((int(m.group(1)), entry) for entry in os.listdir(directory)
-                   if (m := CHECKPOINT_NAME.match(entry))
-                   and os.path.isdir(os.path.join(directory, entry)))
-    doomed = [os.path.join(directory, entry) for _, entry in steps[:-keep_last]]
-    for path in doomed:
-        shutil.rmtree(path)
-    return doomed

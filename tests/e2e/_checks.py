@@ -49,10 +49,21 @@ def run_train(args: list[str], *, timeout: float) -> tuple[int, str, str, int]:
     proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *args], cwd=ROOT,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+    stdout, stderr = wait_for_exit(proc, timeout=timeout)
+    return proc.returncode, stdout, stderr, proc.pid
+
+
+def wait_for_exit(proc: subprocess.Popen, *, timeout: float) -> tuple[str, str]:
+    """(stdout, stderr) of `proc` once it exits; killed after `timeout` s, which stderr (or
+    stdout, when stderr goes to it) then says."""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        stderr += f"\n[test] megatron-rl train timed out after {timeout:.0f} s"
-    return proc.returncode, stdout, stderr, proc.pid
+        note = f"\n[test] megatron-rl train timed out after {timeout:.0f} s"
+        if stderr is None:
+            stdout += note
+        else:
+            stderr += note
+    return stdout, stderr or ""

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
-from _checks import ROOT, processes_left, scalars, tiny_llama_checkpoint  # noqa: E402
+from _checks import (ROOT, processes_left, scalars, tiny_llama_checkpoint,  # noqa: E402
+                     wait_for_exit)
 
 pytestmark = pytest.mark.e2e
 
@@ -43,12 +44,7 @@ def _start(args, *, faults=""):
 
 
 def _finish(proc, timeout=900):
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        output += f"\n[test] timed out after {timeout} s"
+    output, _ = wait_for_exit(proc, timeout=timeout)
     return proc.returncode, output
 
 
