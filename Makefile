@@ -13,7 +13,7 @@ $(STAMP): requirements/install.sh requirements/constraints.txt requirements/base
 	VENV=$(VENV) bash requirements/install.sh
 
 test: $(STAMP)
-	$(PYTEST) tests
+	PY=$(PY) bash tools/test_suite.sh
 
 test-unit: $(STAMP)
 	$(PYTEST) -m unit tests

@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_rl.train", "run ScaleRL under the Pipeline-RL schedule from a recipe"),
     "fit": ("megatron_rl.scaling.cli", "fit compute-scaling curves to validation logs"),
     "cost": ("megatron_rl.scaling.cost", "estimate GPU-hours and the generator:trainer split"),
+    "plan": ("megatron_rl.scaling.plan", "per-device memory of a recipe's trainer and generators"),
     "convert": ("megatron_rl.convert", "convert checkpoints between HF and Megatron"),
     "sft": ("megatron_rl.sft", "supervised cold start: cross-entropy on prompt + response pairs"),
 }

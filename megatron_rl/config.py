@@ -219,9 +219,10 @@ class ModelConfig:
         "bfloat16", "trainer parameter and compute dtype (Megatron params_dtype)")
     use_transformer_engine: bool = _field(
         False, "Transformer Engine layer spec (GPU only); false = Megatron's local spec (CPU)")
-    fp8: Literal["delayed", "current"] | None = _field(
-        None, "FP8 training: delayed or current (per-tensor) scaling, Megatron fp8_recipe "
-        "'delayed' / 'tensorwise'; null = no FP8; needs use_transformer_engine")
+    fp8: Literal["delayed", "current", "mxfp8"] | None = _field(
+        None, "FP8 training: delayed or current (per-tensor) scaling (Hopper), or MXFP8 block "
+        "scaling (Blackwell), Megatron fp8_recipe 'delayed' / 'tensorwise' / 'mxfp8'; null = no "
+        "FP8; needs use_transformer_engine")
     fp32_lm_head: bool = _field(
         True, "LM-head logits GEMM in FP32 (SCALERL.md section 6); false = in params_dtype (the "
         "ablation); log-probs and entropy are FP32 and chunked either way")
@@ -392,6 +393,10 @@ class RolloutConfig:
     mem_fraction_static: float | None = _field(
         None, "fraction of device memory for weights + KV cache (SGLang mem_fraction_static); "
         "null = SGLang's choice", gt=0.0, lt=1.0)
+    max_total_tokens: int | None = _field(
+        None, "KV-cache size of each generator in tokens (SGLang max_total_tokens); null = as "
+        "much as mem_fraction_static leaves. On CPU a server with it set starts however other "
+        "processes use memory meanwhile (platform/sglang_cpu.py, fix 11)", ge=1)
     enable_fp32_lm_head: bool = _field(True, "FP32 logits on the generator (SGLang "
                                        "enable_fp32_lm_head; SCALERL.md section 6)")
     attention_backend: str | None = _field(None, "SGLang attention_backend (e.g. "
@@ -404,6 +409,10 @@ class RolloutConfig:
         False, "one request at a time per generator and no prefix cache, so that a completion "
         "depends only on its prompt, seed and weights (bit-identical reruns and resumes; "
         "slow: for tests and debugging)")
+    routing_replay: bool = _field(
+        True, "rollout routing replay (R3) for MoE families: the generators return each token's "
+        "routed experts and the trainer's routers replay them (gating weights recomputed by the "
+        "trainer); no effect on dense families (docs/routing_replay.md)")
     health_check_interval_s: float = _field(10.0, "how often every generator is health-checked "
                                             "while the trainer waits for groups", gt=0.0)
     max_generator_restarts: int = _field(3, "restarts of one generator in a row (with backoff; "
@@ -518,6 +527,10 @@ class AlgorithmConfig:
         0.05, "stop the run when the verifier itself fails (sandbox or grader error, not a wrong "
         "answer) on more than this fraction of the samples scored so far; such samples get no "
         "reward and their groups are dropped", ge=0.0, le=1.0)
+    sandbox_isolation: Literal["namespaces", "auto", "seccomp"] = _field(
+        "namespaces", "code sandbox isolation (docs/rewards.md: threat model): namespaces = "
+        "required, the run stops where the host refuses them; auto = namespaces where "
+        "permitted, else the weaker seccomp fallback (logged); seccomp = always the fallback")
     length_penalty: bool = _field(False, "add the DAPO overlong penalty to correct answers' "
                                   "rewards")
     length_penalty_max_length: int = _field(14336, "L_max: completions longer than this get the "
@@ -556,6 +569,10 @@ class TrainConfig:
     global_batch_size: int = _field(768, "completions per optimizer step (48 prompts x 16)", ge=1)
     micro_batch_max_tokens: int = _field(16384, "token budget of one packed micro-batch "
                                          "(per trainer model replica)", ge=1)
+    recompute_granularity: Literal["none", "selective", "full"] = _field(
+        "none", "activation recomputation (Megatron recompute_granularity): none, selective "
+        "(core attention) or full (every layer, uniform, one layer per checkpoint); "
+        "`megatron-rl plan` shows what each saves")
     lr: float = _field(5e-7, "peak learning rate (paper A.3)", gt=0.0)
     min_lr: float = _field(0.0, "learning rate at num_steps for decaying schedules", ge=0.0)
     lr_warmup_steps: int = _field(100, "linear warm-up steps from 0 to lr", ge=0)
@@ -570,6 +587,15 @@ class TrainConfig:
     max_trainer_restarts: int = _field(3, "times the trainer ranks are restarted from the last "
                                        "checkpoint after a rank died or hung; then the run "
                                        "stops", ge=0)
+    rank_monitor: bool = _field(True, "each trainer rank runs nvidia-resiliency-ext's rank "
+                                "monitor, which kills the rank when a step, weight sync or "
+                                "save stays open past its timeout (a hang then restores the "
+                                "trainer at once); where nvrx does not import, the driver's "
+                                "step_timeout_s alone (with a message)")
+    hang_timeout_factor: float | None = _field(
+        None, "rank monitor: after 3 steps a train step counts as hung after this many times "
+        "the longest step seen (nvrx's calculated timeouts); null = after step_timeout_s",
+        gt=1.0)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -625,8 +651,8 @@ class CheckpointConfig:
 
     dir: str | None = _field(None, "where checkpoints are written; null = "
                              "<output_dir>/checkpoints")
-    interval_steps: int = _field(100, "save every this many optimizer steps; 0 = only at the "
-                                 "end", ge=0)
+    interval_steps: int = _field(100, "save every this many optimizer steps, and after the "
+                                 "last one; 0 = only after the last one", ge=0)
     keep_last: int = _field(3, "checkpoints kept on disk (older ones deleted); 0 = keep all",
                             ge=0)
     load: str | None = _field(None, "a run checkpoint (a step_<N> directory) to resume from; "
@@ -637,6 +663,11 @@ class CheckpointConfig:
         "start fresh (output_dir must not hold a previous run)")
     format: Literal["torch_dist"] = _field("torch_dist", "checkpoint format (Megatron "
                                            "ckpt_format; resharding across parallel layouts)")
+    async_save: Literal["auto", "always", "never"] = _field(
+        "auto", "write the trainer's shards in the background while training goes on (Megatron "
+        "async save; the checkpoint is committed once they are complete): auto = where the "
+        "trainer ranks have CUDA (Megatron stages tensors with CUDA; on CPU the save is "
+        "synchronous, with a message), always = required (an error without CUDA), never")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -766,6 +797,10 @@ class RunConfig:
                  f"cluster.colocated: the generators' devices (rollout.num_generators "
                  f"{self.rollout.num_generators} x rollout.tp_size {self.rollout.tp_size}) must be "
                  f"the trainer's (parallelism.world_size {par.world_size})")
+        _require(par.context_parallel_size == 1 or self.model.use_transformer_engine,
+                 f"parallelism.context_parallel_size: {par.context_parallel_size} needs "
+                 "Transformer Engine attention on a GPU (model.use_transformer_engine=true); the "
+                 "local (CPU) layer spec has no context-parallel attention: set it to 1 on CPU")
         _require(self.model.name in MOE_MODEL_FAMILIES or par.expert_model_parallel_size == 1,
                  f"parallelism.expert_model_parallel_size: dense model {self.model.name!r} has no "
                  f"experts to split (got {par.expert_model_parallel_size}); set it to 1")

@@ -79,6 +79,10 @@ class RunSetup:
         self._paused_busy_s = 0.0  # generator-seconds of in-flight requests held by pauses
         self._released = False  # colocated: the generators' memory is released for training
         self.last_checkpoint_step: int | None = None
+        # (staging dir, step, asynchronous) of a checkpoint not yet committed (commit_checkpoint)
+        self._pending_checkpoint: tuple[Path, int, bool] | None = None
+        self._checkpoint_blocked_s = 0.0  # the trainer-side time the run waited on the last one
+        self._async_save_explained = False
         self._initial: tuple[dict, dict[str, bytes]] | None = None  # restore point before step 1
         self._trainer_restarts = 0
         # Restarts of a generator in a row: one that fails again within _STABLE_S of its
@@ -222,12 +226,12 @@ class RunSetup:
                 "manager": self.manager.state_dict()}
 
     def _start_verifiers(self) -> None:
-        from megatron_rl.rewards import MathVerifier, Sandbox, default_registry
+        from megatron_rl.rewards import MathVerifier, Sandbox, SandboxConfig, default_registry
         from megatron_rl.rewards.failures import VerifierFailureCounter
 
         self.math_verifier = MathVerifier()
         self._stack.callback(self.math_verifier.close)
-        self.sandbox = Sandbox()
+        self.sandbox = Sandbox(SandboxConfig.from_run_config(self.cfg))
         self._stack.callback(self.sandbox.close)
         self.registry = default_registry(math_verifier=self.math_verifier, sandbox=self.sandbox)
         self.verifier_failures = VerifierFailureCounter.from_run_config(self.cfg)
@@ -260,6 +264,7 @@ class RunSetup:
         SGLang engines serving it (version 0), connected by the weight sync."""
         from megatron_rl.cluster import (ClusterLayout, ClusterSettings, GeneratorPool,
                                          RayCluster, TrainerGroup)
+        from megatron_rl.rollout.sglang_server import is_moe_model
 
         cfg = self.cfg
         self.ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address,
@@ -275,6 +280,8 @@ class RunSetup:
         placement = self.ray.reserve(layout, name=cfg.name)
         self.placement = placement
         self.model_dir = model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
+        # Routing replay (docs/routing_replay.md): MoE models only, as the servers are started.
+        self._routing_replay = cfg.rollout.routing_replay and is_moe_model(model_dir)
         if layout.colocated and layout.device == "gpu":  # servers need the ranks' GPU ids
             self.trainers = TrainerGroup.create(placement, cfg)
             self.generators = GeneratorPool.start(placement, self._server_settings(model_dir))
@@ -282,6 +289,10 @@ class RunSetup:
             self.generators = GeneratorPool.start(placement, self._server_settings(model_dir))
             self.trainers = TrainerGroup.create(placement, cfg)
         self.trainers.call("load_model_weights", self._converted_start_checkpoint(model_dir))
+        monitor = self.trainers.call("monitor_status")
+        notice("trainer hang detection: " + (
+            "nvidia-resiliency-ext rank monitor on every rank, and train.step_timeout_s"
+            if monitor == "on" else f"train.step_timeout_s only (no rank monitor: {monitor})"))
         self.generators.wait_until_healthy()
         self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=model_dir)
         self.num_devices = layout.num_trainer_ranks if layout.colocated else \
@@ -350,7 +361,8 @@ class RunSetup:
                                              daemon=True)
         self._loop_thread.start()
         self._stack.callback(self._stop_loop)
-        self.clients = [AsyncSGLangClient(url) for url in self.generator_urls]
+        self.clients = [AsyncSGLangClient(url, return_routed_experts=self._routing_replay)
+                        for url in self.generator_urls]
         self.gate = AdmissionGate(StalenessSettings.from_run_config(cfg))
         self.sampler = NoPositiveResamplingSampler(
             len(self.train_records), threshold=cfg.algorithm.npr_threshold, seed=cfg.seed,
@@ -433,6 +445,10 @@ class RunSetup:
         """Health-check every generator (every rollout.health_check_interval_s, or `now`),
         take the ones failing `strikes` checks in a row (or a request) out of the rotation and
         restart them."""
+        for fault in self.math_verifier.take_faults():  # re-scored already: nothing to redo
+            ledger.record_fault(self.out, **fault, requeued_groups=0, steps_lost=0)
+            notice(f"reward worker: {fault['what']}; its samples are scored again by a fresh "
+                   "worker")
         interval = self.cfg.rollout.health_check_interval_s
         if now or time.monotonic() - self._last_health_check >= interval:
             self._last_health_check = time.monotonic()
@@ -492,7 +508,7 @@ class RunSetup:
                        f"{str(exc).splitlines()[0][:300]}")
                 time.sleep(min(60.0, 2.0 * 2 ** attempt))
         self._restarted_at[index] = time.monotonic()
-        client = AsyncSGLangClient(endpoint.url)
+        client = AsyncSGLangClient(endpoint.url, return_routed_experts=self._routing_replay)
         old, self.clients[index] = self.clients[index], client
         self._call(old.close())
         self._call(self._async(lambda: self.manager.mark_up(index, client)))
@@ -534,6 +550,7 @@ class RunSetup:
         notice(f"trainer failed at step {failed_step}: {failure}; restarting the trainer ranks "
                f"(attempt {self._trainer_restarts} of {limit})")
         self.trainers.shutdown(timeout_s=10.0)
+        self._pending_checkpoint = None  # its shards died with their writer: left partial
         self.trainers = TrainerGroup.create(self.placement, self.cfg)
         self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=self.model_dir)
         self._call(self.manager.stop())
@@ -607,6 +624,8 @@ class RunSetup:
                 "train/logp_mismatch_mean": step.logp_mismatch,
                 "train/logp_mismatch_max": step.logp_mismatch_max,
                 "train/learning_rate": step.learning_rate, "train/skipped": float(step.skipped),
+                "train/routing_flip_fraction": step.routing_flip_fraction,
+                "train/logp_mismatch_without_replay": step.logp_mismatch_without_replay,
                 "perf/train_seconds": seconds,
                 "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)} | (
                     {"colocated/release_seconds": release_s} if self.layout.colocated else {})
@@ -737,18 +756,31 @@ class RunSetup:
         flat = await asyncio.gather(*(c for group in groups for c in group))
         return [flat[i * k:(i + 1) * k] for i in range(len(groups))]
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, *, wait: bool = False) -> None:
         """A run checkpoint of the state after `step` (megatron_rl/resilience/checkpoint.py):
-        written under a partial name, committed with its manifest, older ones pruned."""
+        written under a partial name, committed with its manifest, older ones pruned. Under an
+        asynchronous trainer save (checkpoint.async_save) the commit waits for the shards'
+        writer: `commit_checkpoint` after each step, or at once with `wait`."""
         from megatron_rl.config import save_config
 
+        self.commit_checkpoint(blocking=True)  # the previous one first: commits stay in order
         root = self.checkpoint_root
         root.mkdir(parents=True, exist_ok=True)
         staging = run_checkpoint.partial_path(root, step)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        self._trainer_call(lambda: self.trainers.save_checkpoint(
-            str(staging / run_checkpoint.TRAINER_DIR), {"step": step, "version": self.version}))
+        started = time.perf_counter()
+        asynchronous = self._trainer_call(lambda: self.trainers.save_checkpoint(
+            str(staging / run_checkpoint.TRAINER_DIR), {"step": step, "version": self.version},
+            async_save=self.cfg.checkpoint.async_save))
+        self._checkpoint_blocked_s = time.perf_counter() - started
+        if self.cfg.checkpoint.async_save == "auto" and not asynchronous \
+                and not self._async_save_explained:
+            from megatron_rl.trainer.checkpoint import async_save_unavailable
+
+            self._async_save_explained = True
+            notice(f"checkpoint.async_save=auto: saving synchronously "
+                   f"({async_save_unavailable() or 'not available on the trainer ranks'})")
         state = self._call(self._async(self._driver_state))
         with open(staging / run_checkpoint.RUN_STATE, "wb") as f:
             pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -756,16 +788,38 @@ class RunSetup:
             if (self.out / name).is_file():
                 shutil.copyfile(self.out / name, staging / name)
         save_config(self.cfg, str(staging / "config.yaml"))
+        self._pending_checkpoint = (staging, step, asynchronous)
+        if wait or not asynchronous:
+            self.commit_checkpoint(blocking=True)
+
+    def commit_checkpoint(self, *, blocking: bool) -> None:
+        """Commit the checkpoint `save_checkpoint` staged once its trainer shards are complete
+        (an asynchronous save may still be writing them; `blocking` waits). Until then the
+        previous checkpoint is the newest valid one."""
+        if self._pending_checkpoint is None:
+            return
+        staging, step, asynchronous = self._pending_checkpoint
+        if asynchronous:
+            started = time.perf_counter()
+            done = self._trainer_call(lambda: self.trainers.finalize_checkpoints(
+                blocking=blocking))
+            self._checkpoint_blocked_s += time.perf_counter() - started
+            if not done:
+                return
+        self._pending_checkpoint = None
         if faults.planned("kill_in_checkpoint", step):
             faults.kill_self()
+        root = self.checkpoint_root
         run_checkpoint.commit(staging, run_checkpoint.checkpoint_path(root, step), step=step)
         run_checkpoint.prune(root, self.cfg.checkpoint.keep_last)
         self.last_checkpoint_step = step
+        self.writer.add_scalar("perf/checkpoint_blocked_seconds", self._checkpoint_blocked_s, step)
 
     def finish(self) -> None:
         """After the last step (or a graceful stop): close the progress bar and end the ledger
         with the groups still outstanding (fit the run's curve with `megatron-rl fit
         output_dir`)."""
+        self.commit_checkpoint(blocking=True)
         self._progress.close()
         next_id, outstanding = self._call(self._async(
             lambda: (self.manager.next_group_id, self.manager.outstanding_group_ids())))

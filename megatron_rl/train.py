@@ -38,8 +38,9 @@ def train(cfg: RunConfig) -> int:
                 run.recover_trainers(failure)
                 progress.n, skipped_in_a_row = run.step, 0
                 progress.refresh()
+        run.commit_checkpoint(blocking=True)
         if stop.requested and run.last_checkpoint_step != run.step:
-            run.save_checkpoint(run.step)
+            run.save_checkpoint(run.step, wait=True)
         run.finish()
         if stop.requested:
             from megatron_rl.run_setup import notice
@@ -87,20 +88,22 @@ def after_step(run, cfg: RunConfig, *, skipped_in_a_row: int) -> None:
     """Validate and checkpoint as the recipe says; stop (with a checkpoint) after too many
     skipped steps in a row."""
     step = run.step
+    run.commit_checkpoint(blocking=False)  # an asynchronous save's shards complete by now?
     if cfg.eval.interval_steps and (step % cfg.eval.interval_steps == 0
                                     or step == cfg.train.num_steps):
         run.validate(step)
     limit = cfg.train.max_consecutive_skipped_steps
     if limit and skipped_in_a_row >= limit:
-        run.save_checkpoint(step)
+        run.save_checkpoint(step, wait=True)
         raise RunStoppedError(
             f"{skipped_in_a_row} optimizer steps in a row were skipped for a non-finite loss or "
             f"gradient, the last at step {step} (train.max_consecutive_skipped_steps={limit}); "
             f"checkpoint step_{step:06d} was written. Look at train/grad_norm, the learning "
             "rate and the step's data in TensorBoard and the ledger, then resume with --resume "
             "(e.g. with a lower train.lr)")
-    if cfg.checkpoint.interval_steps and step % cfg.checkpoint.interval_steps == 0:
-        run.save_checkpoint(step)
+    interval = cfg.checkpoint.interval_steps
+    if (interval and step % interval == 0) or step == cfg.train.num_steps:
+        run.save_checkpoint(step)  # and after the last step: a finished run can be extended
 
 
 class RunStoppedError(RuntimeError):

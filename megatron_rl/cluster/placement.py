@@ -15,6 +15,14 @@ engines' memory (SGLang /release_memory_occupation) before each training phase a
 after (megatron_rl/run_setup.py), so the schedule must be synchronous (rollout.max_off_policyness
 0, or ppo_off_policy). On CPU the same layout shares the CPUs and SGLang's release is a no-op for
 memory (its memory saver is CUDA-only) but runs the same calls.
+
+Node roles (multi-node, disaggregated): a node started with the custom Ray resource
+TRAINER_NODE_RESOURCE (`ray start --resources '{"megatron_rl_trainer": 4}'`, one unit per GPU it
+gives the trainer) takes only trainer ranks, one with GENERATOR_NODE_RESOURCE only engines: with
+`node_roles` each trainer bundle also asks for one unit of the first and each engine bundle for
+devices_per_generator units of the second, so Ray can place them nowhere else. The roles are
+declared where the nodes are started (examples/launch/); `RayCluster.reserve` turns them on when
+the cluster offers both resources (`node_roles` None), so recipes need no node names.
 """
 from __future__ import annotations
 
@@ -23,6 +31,9 @@ from typing import Any
 
 _DEVICES = ("cpu", "gpu")
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+TRAINER_NODE_RESOURCE = "megatron_rl_trainer"  # custom Ray resource of nodes for trainer ranks
+GENERATOR_NODE_RESOURCE = "megatron_rl_generator"  # ... of nodes for generator engines
+_SHOWN_RESOURCES = ("CPU", "GPU", TRAINER_NODE_RESOURCE, GENERATOR_NODE_RESOURCE)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +48,9 @@ class ClusterLayout:
     cpus_per_trainer_rank: float = 1.0
     cpus_per_generator: float = 1.0  # the engine's own processes are not Ray tasks
     strategy: str = "PACK"  # Ray placement strategy over nodes
+    # Bundles ask for the node-role resources (module docstring); None: as the cluster offers
+    # them (RayCluster.reserve decides; bundles() alone treats None as False).
+    node_roles: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_trainer_ranks", "num_generators", "devices_per_generator"):
@@ -59,6 +73,12 @@ class ClusterLayout:
                     f"{self.devices_per_generator} = {total}) must be the trainer's GPUs "
                     f"(num_trainer_ranks {self.num_trainer_ranks}): set rollout.num_generators "
                     f"x rollout.tp_size = parallelism.world_size")
+            if self.node_roles:
+                raise ValueError(
+                    "ClusterLayout.node_roles: colocated trainer ranks and generators share "
+                    f"nodes, so nodes cannot be given one role ({TRAINER_NODE_RESOURCE} / "
+                    f"{GENERATOR_NODE_RESOURCE}): start the nodes without role resources, or "
+                    "set cluster.colocated=false")
 
     @classmethod
     def from_run_config(cls, run, *, device: str | None = None, **fields: Any) -> "ClusterLayout":
@@ -116,8 +136,12 @@ class ClusterLayout:
             shared = {"CPU": self.cpus_per_trainer_rank + self.cpus_per_generator,
                       **({"GPU": 1.0} if self.device == "gpu" else {})}
             return [dict(shared) for _ in range(self.num_trainer_ranks)]
-        return ([self.trainer_resources() for _ in range(self.num_trainer_ranks)]
-                + [self.generator_resources() for _ in range(self.num_generators)])
+        trainer, generator = self.trainer_resources(), self.generator_resources()
+        if self.node_roles:
+            trainer[TRAINER_NODE_RESOURCE] = 1.0
+            generator[GENERATOR_NODE_RESOURCE] = float(self.devices_per_generator)
+        return [dict(trainer) for _ in range(self.num_trainer_ranks)] + \
+            [dict(generator) for _ in range(self.num_generators)]
 
     @staticmethod
     def _check_index(what: str, index: int, count: int) -> None:
@@ -172,7 +196,7 @@ def reserve_placement_group(layout: ClusterLayout, *, timeout_s: float, name: st
         raise TimeoutError(
             f"Ray could not reserve the placement group within {timeout_s:.0f} s: it needs "
             f"bundles {layout.bundles()} ({layout.strategy}); the cluster has "
-            f"{ {k: v for k, v in sorted(available.items()) if k in ('CPU', 'GPU')} } free. "
+            f"{ {k: v for k, v in sorted(available.items()) if k in _SHOWN_RESOURCES} } free. "
             "Give the cluster more CPUs / GPUs (ClusterSettings.num_cpus / num_gpus for a local "
             "one) or fewer / smaller actors (ClusterLayout)")
     return group

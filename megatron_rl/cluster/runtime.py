@@ -31,7 +31,8 @@ import signal
 import threading
 from collections.abc import Callable
 
-from megatron_rl.cluster.placement import ClusterLayout, Placement, reserve_placement_group
+from megatron_rl.cluster.placement import (GENERATOR_NODE_RESOURCE, TRAINER_NODE_RESOURCE,
+                                           ClusterLayout, Placement, reserve_placement_group)
 
 _LOOPBACK = "127.0.0.1"
 _LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": every Ray component binds 127.0.0.1
@@ -171,13 +172,32 @@ class RayCluster:
 
     def reserve(self, layout: ClusterLayout, *, name: str = "") -> Placement:
         """One placement group for the layout's trainer ranks and generators, reserved (waits
-        up to `settings.placement_timeout_s`) and released at shutdown."""
+        up to `settings.placement_timeout_s`) and released at shutdown. A layout whose
+        `node_roles` is None gets them when this cluster's nodes declare roles."""
         self._check_running()
+        if layout.node_roles is None:
+            layout = dataclasses.replace(layout, node_roles=self.has_node_roles())
         group = reserve_placement_group(layout, timeout_s=self.settings.placement_timeout_s,
                                         name=name)
         placement = Placement(layout, group, self)
         self.on_shutdown(f"placement group {name or group.id.hex()}", placement.remove)
         return placement
+
+    def has_node_roles(self) -> bool:
+        """Whether the cluster's nodes declare trainer / generator roles (custom resources,
+        megatron_rl.cluster.placement). Only one of the two declared is a launch mistake: the
+        other actors would have nowhere to go."""
+        import ray
+
+        offered = ray.cluster_resources()
+        roles = [r for r in (TRAINER_NODE_RESOURCE, GENERATOR_NODE_RESOURCE) if offered.get(r)]
+        if len(roles) == 1:
+            missing = ({TRAINER_NODE_RESOURCE, GENERATOR_NODE_RESOURCE} - set(roles)).pop()
+            raise ClusterError(
+                f"the Ray cluster's nodes offer {roles[0]} but no node offers {missing}: start "
+                f"the other nodes with `ray start --resources '{{\"{missing}\": N}}'` (see "
+                "examples/launch/), or start all nodes without role resources")
+        return bool(roles)
 
     def on_shutdown(self, what: str, stop: Callable[[], None]) -> None:
         """Register `stop` (named `what` in errors) to run at shutdown, before what was

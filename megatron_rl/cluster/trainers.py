@@ -19,6 +19,7 @@ working directory is not the driver's.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -139,20 +140,57 @@ class TrainerWorker:
             raise RuntimeError(f"{self!r} is already set up")
         os.environ.update(env.environment())  # before torch.distributed and CUDA start
         from megatron_rl.trainer import RLTrainer, TrainerSettings
+        from megatron_rl.trainer.checkpoint import async_save_unavailable
 
+        if run_config.checkpoint.async_save == "always" and (why := async_save_unavailable()):
+            raise ValueError(f"checkpoint.async_save=always, but {why}; set it to auto (saves "
+                             "asynchronously where it can) or never")
         self.run_config = run_config
         self.trainer = RLTrainer(
             TrainerSettings.from_run_config(run_config, **(config_overrides or {})),
             family=family)
+        self._start_rank_monitor()
 
     # ------------------------------------------------------------------ training
 
+    def _start_rank_monitor(self) -> None:
+        """nvidia-resiliency-ext's rank monitor for this rank (resilience/rank_monitor.py), as
+        train.rank_monitor says; `monitor_status` tells the driver what runs."""
+        from megatron_rl.resilience.rank_monitor import RankMonitor
+
+        train = self.run_config.train
+        self._monitor, why = RankMonitor.start(
+            timeout_s=train.step_timeout_s, hang_timeout_factor=train.hang_timeout_factor) \
+            if train.rank_monitor else (None, "off (train.rank_monitor=false)")
+        self._monitor_status = why or "on"
+
+    def monitor_status(self) -> str:
+        """"on", or why the rank monitor does not run."""
+        return self._monitor_status
+
+    def _section(self, name: str):
+        monitor = getattr(self, "_monitor", None)
+        return monitor.section(name) if monitor is not None else contextlib.nullcontext()
+
     def train_step(self, batch):
         """One optimizer step on the global `TrainBatch` -> StepMetrics."""
-        return self._trainer().train_step(batch)
+        with self._section("train_step"):
+            return self._trainer().train_step(batch)
 
-    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None) -> None:
-        self._trainer().save_checkpoint(directory, extra_state)
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None,
+                        async_save: str = "never") -> bool:
+        """checkpoint.async_save: "auto" (asynchronous where CUDA is, trainer/checkpoint.py
+        async_save_unavailable), "always" or "never". Returns whether it is asynchronous."""
+        from megatron_rl.trainer.checkpoint import async_save_unavailable
+
+        asynchronous = async_save == "always" or (async_save == "auto"
+                                                   and async_save_unavailable() is None)
+        with self._section("checkpoint"):
+            return self._trainer().save_checkpoint(directory, extra_state,
+                                                   async_save=asynchronous)
+
+    def finalize_checkpoints(self, blocking: bool) -> bool:
+        return self._trainer().finalize_checkpoints(blocking=blocking)
 
     def load_checkpoint(self, directory: str, load_optimizer: bool = True):
         """-> CheckpointState (step counters, the saved layout, the driver's extra_state)."""
@@ -206,7 +244,8 @@ class TrainerWorker:
         label (default the next one; a restored run re-labels its generators)."""
         if self.weight_sync is None:
             raise RuntimeError(f"{self!r}: sync_weights() before connect_generators()")
-        return self.weight_sync.sync(version)
+        with self._section("weight_sync"):
+            return self.weight_sync.sync(version)
 
     def sync_new_generators(self, generators: Sequence[GeneratorEndpoint], hf_config_dir: str,
                             version: int):
@@ -217,7 +256,8 @@ class TrainerWorker:
             raise RuntimeError(f"{self!r}: sync_new_generators() before connect_generators()")
         temporary = self._build_sync(generators, hf_config_dir)
         try:
-            report = temporary.sync(version)
+            with self._section("weight_sync"):
+                report = temporary.sync(version)
         finally:
             temporary.close()
         by_name = {g.name: g for g in generators}
@@ -229,7 +269,11 @@ class TrainerWorker:
     # ------------------------------------------------------------------ stop
 
     def shutdown(self) -> None:
-        """Close the weight-update groups and torch.distributed (collective)."""
+        """Close the weight-update groups, the rank monitor and torch.distributed
+        (collective)."""
+        if getattr(self, "_monitor", None) is not None:
+            self._monitor.close()
+            self._monitor = None
         if self.weight_sync is not None:
             self.weight_sync.close()
             self.weight_sync = None
@@ -317,8 +361,15 @@ class TrainerGroup:
         """-> rank 0's SyncReport of bringing restarted `generators` to `version`."""
         return self.call("sync_new_generators", list(generators), hf_config_dir, version)
 
-    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None) -> None:
-        self.call("save_checkpoint", directory, extra_state)
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None, *,
+                        async_save: str = "never") -> bool:
+        """Collective over the ranks; checkpoint.async_save's value. -> whether the shards are
+        still being written (complete once `finalize_checkpoints` returns True)."""
+        return self.call("save_checkpoint", directory, extra_state, async_save)
+
+    def finalize_checkpoints(self, *, blocking: bool) -> bool:
+        """-> whether no asynchronous save is left in flight (waits for all with `blocking`)."""
+        return self.call("finalize_checkpoints", blocking)
 
     def load_checkpoint(self, directory: str, *, load_optimizer: bool = True):
         """-> rank 0's CheckpointState."""

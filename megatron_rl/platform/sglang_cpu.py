@@ -31,6 +31,20 @@ breaks without it (CPU_STACK.md, verified by switching it off):
    depends on what the engine sampled before (a restarted engine samples differently). The fix
    builds the seed tensor when every request of a batch has a seed. Safe only without batching
    seeded and unseeded requests together (deterministic mode runs one request at a time).
+9. Expert parallelism (ep_size > 1) on the native MoE path: the dispatcher marks experts owned by
+   other EP ranks as -1 and `moe_forward_native` fails on them ("index -1 is out of bounds").
+   The wrapper runs only this rank's local (token, expert) pairs; the model's all-reduce over
+   the TP group (which contains the EP group) sums the ranks' partial outputs, as on CUDA. See
+   `_native_moe_local_experts`.
+10. Returned routed experts (rollout.routing_replay): the capturer's host buffer is allocated
+   pinned through cudaHostRegister, which fails without CUDA; it is plain host memory here. See
+   `_patch_routed_experts_host_cache`.
+11. A KV cache bounded by --max-total-tokens starts whatever other processes do with memory:
+   SGLang sizes the pool from the memory free after loading minus (1 - mem_fraction_static) of
+   the memory free before, and refuses to start when that is <= 0, which happens on CPU as soon
+   as another process (a second server, a trainer rank) grows by more than mem_fraction_static of
+   free memory meanwhile. When max_total_tokens is set the pool is that size anyway; the wrapper
+   then gives the profile the room for it instead of failing. See `_kv_budget_for_max_tokens`.
 """
 from __future__ import annotations
 
@@ -68,6 +82,8 @@ def apply_sglang_cpu_fixes() -> bool:
         _patch_on_import("sglang.srt.layers.attention.torch_native_backend",
                          _patch_torch_native_chunked_attention)
         _patch_on_import("sglang.srt.weight_sync.tensor_bucket", _patch_tensor_bucket)
+        _patch_on_import("sglang.srt.state_capturer.base", _patch_routed_experts_host_cache)
+        _patch_on_import("sglang.srt.mem_cache.kv_cache_configurator", _patch_kv_budget)
         if os.environ.get(SAMPLING_SEEDS_ENV) == "1":
             _patch_on_import("sglang.srt.sampling.sampling_batch_info", _patch_sampling_seeds)
         _applied = True
@@ -248,7 +264,38 @@ def _native_moe_with_input_weights(forward):
 
 def _patch_native_moe(module) -> None:
     # SGLang imports fused_moe_native lazily (inside forward): patched when it first loads.
-    module.moe_forward_native = _native_moe_with_input_weights(module.moe_forward_native)
+    # Fix 9 innermost: fix 4 hands it unit weights, and it drops the other EP ranks' experts.
+    module.moe_forward_native = _native_moe_with_input_weights(
+        _native_moe_local_experts(module.moe_forward_native))
+
+
+# 9. Expert parallelism on the native (CPU) MoE path (ep_size > 1). SGLang's standard dispatcher
+#    maps each token's top-k expert ids to this rank's local expert ids and marks the experts
+#    other EP ranks own as -1 (the drop sentinel the CUDA runners skip); moe_forward_native
+#    scatters every id into a count table and fails ("index -1 is out of bounds"). The wrapper
+#    runs the native forward on this rank's (token, expert) pairs only, as top-1 rows, and adds
+#    each pair's weighted output back to its token (in fp32): this rank's partial sum over its
+#    local experts. The model's all-reduce after the MoE (over the TP group, which contains the
+#    EP group) adds the ranks' partial sums, as on CUDA. A rank where no token picked a local
+#    expert contributes zeros.
+def _native_moe_local_experts(forward):
+    """Wrap SGLang's native MoE forward so that -1 (non-local) expert ids are skipped."""
+
+    def wrapped(layer, x, topk_output, moe_runner_config):
+        topk_ids = topk_output.topk_ids  # [tokens, top_k]; -1: an expert another rank owns
+        local = topk_ids >= 0
+        if bool(local.all()):
+            return forward(layer, x, topk_output, moe_runner_config)
+        tokens, slots = local.nonzero(as_tuple=True)  # [pairs] each
+        if tokens.numel() == 0:
+            return x.new_zeros(x.shape)
+        pairs = topk_output._replace(topk_ids=topk_ids[tokens, slots][:, None],
+                                     topk_weights=topk_output.topk_weights[tokens, slots][:, None])
+        partial = forward(layer, x[tokens], pairs, moe_runner_config)  # [pairs, hidden]
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return out.index_add_(0, tokens, partial.float()).to(x.dtype)
+
+    return wrapped
 
 
 # 5. Reuse one receive buffer for weight-update buckets. SGLang allocates every received bucket
@@ -374,6 +421,25 @@ def _patch_torch_native_chunked_attention(module) -> None:
     backend_class.forward_decode = _with_chunked_attention(backend_class.forward_decode)
 
 
+# 10. Routed experts (--enable-return-routed-experts, rollout.routing_replay) on CPU. The capturer
+#     keeps every token's expert ids in a host buffer that SGLang allocates pinned and registers
+#     with cudaHostRegister (`alloc_with_host_register`); without CUDA the server dies at start-up
+#     ("Torch not compiled with CUDA enabled"). On a CPU-only machine the "device" buffer already
+#     is host memory: the fix allocates the capturer's host buffer as plain (unpinned) memory.
+#     The native MoE path captures through the same `select_experts` hook as GPU, so nothing else
+#     is needed (tests/integration/test_routing_replay.py checks the returned ids).
+def _unpinned_host_alloc(dims, dtype, device, pin_memory, allocator, **_unused):
+    del device, pin_memory
+    return allocator.allocate(dims, dtype=dtype, device="cpu")
+
+
+def _patch_routed_experts_host_cache(module) -> None:
+    import collections
+
+    funcs = collections.defaultdict(lambda: _unpinned_host_alloc)
+    module.ALLOC_MEMORY_FUNCS = funcs  # this module's name only; other host pools unchanged
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Runs `patch(module)` right after `target` is first imported (SGLang is never imported
     from here)."""
@@ -403,3 +469,29 @@ def _patch_on_import(target: str, patch) -> None:
         patch(module)
     else:
         sys.meta_path.insert(0, _PatchOnImport(target, patch))
+
+
+# 11. The KV budget of a server with --max-total-tokens, whatever the memory profile says.
+def _kv_budget_for_max_tokens(profile, get_schedule):
+    """Wrap KVCacheConfigurator._profile_available_bytes (see fix 11): with max_total_tokens
+    set, a profile that leaves no room is raised to 1 GiB instead of failing."""
+    @functools.wraps(profile)
+    def wrapper(self, pre_model_load_memory):
+        cap = get_schedule().max_total_tokens
+        try:
+            available = profile(self, pre_model_load_memory)
+        except ValueError:
+            if not cap:
+                raise
+            available = 0
+        # At least 1 GiB: the pool (capped at max_total_tokens) is then as on a quiet machine
+        # for the CPU-sized models served here.
+        return max(available, 1 << 30) if cap else available
+
+    return wrapper
+
+
+def _patch_kv_budget(module) -> None:
+    configurator = module.KVCacheConfigurator
+    configurator._profile_available_bytes = _kv_budget_for_max_tokens(
+        configurator._profile_available_bytes, module.get_schedule)

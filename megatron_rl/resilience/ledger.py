@@ -64,7 +64,8 @@ def record_end(out: Path, *, next_group_id: int, outstanding: Iterable[int]) -> 
 
 def record_fault(out: Path, *, kind: str, what: str, detected_at: float,
                  recovered: bool = True, **details) -> None:
-    """One fault; recovered_at is now (or null for a fault the run gave up on)."""
+    """One fault; recovered_at is now (or null for a fault the run gave up on) unless
+    `details` gives it."""
     _append(out / FAULTS, {"kind": kind, "what": what, "detected_at": detected_at,
                            "recovered_at": time.time() if recovered else None, **details})
 

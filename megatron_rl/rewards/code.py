@@ -4,9 +4,11 @@ the pass fraction; the reason is "correct" when every test passes, else the firs
 reason (wrong, timeout, runtime_error, memory_limit, ... see Reason).
 
 No expected value ever enters the sandbox. A function-call test made of plain asserts
-(`assert candidate(<literals>) == <literal>`, `assert candidate(...)`, `assert not ...`, inside
-HumanEval's `def check(candidate)` or at top level) becomes a list of `FunctionCall`s: the
-sandbox returns the program's return values as plain data and they are compared here. Any other
+(`assert candidate(<constants>) == <constant>`, `assert candidate(...)`, `assert not ...`,
+`assert abs(candidate(...) - <number>) < <number>` and `math.isclose(candidate(...), ...)`,
+inside HumanEval's `def check(candidate)` or at top level) becomes a list of `FunctionCall`s: the
+sandbox returns the program's return values as plain data and they are compared here. Constants
+are literals or arithmetic over number literals (`2.0/3.0`, `3 * 19`), evaluated here. Any other
 test runs in the sandbox's checker, a separate clean interpreter that sees the program's
 functions only through plain-data calls (sandbox.py). stdin/stdout tests are compared here too.
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import math
+import operator
 import re
 from typing import Any
 
@@ -43,6 +47,12 @@ from megatron_rl.rewards.types import (
 
 _CODE_BLOCK = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\r?\n(.*?)```", re.DOTALL)
 _PYTHON_TAGS = ("", "python", "python3", "py")
+# Arithmetic a test's constants may use; ints stay below this many bits (no `10**10**9`).
+_ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+               ast.Pow: operator.pow}
+_MAX_CONSTANT_BITS = 4096
+_MAX_CONSTANT_DEPTH = 50
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,13 +94,50 @@ def _stdio_outcome(test: StdioTest, result: ExecutionResult) -> tuple[Reason, st
     return Reason.WRONG, f"expected {test.expected_stdout[:60]!r}, got {result.stdout[:60]!r}"
 
 
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float)  # exact: bool is not a number here
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tolerance:
+    """A numeric assert with a tolerance, as the test wrote it: `abs(value - expected) < bound`
+    (`<=` when inclusive; `math.fabs` for form "fabs") or `math.isclose(value, expected,
+    rel_tol=..., abs_tol=...)` (form "isclose"). Evaluated with Python's own semantics, but only
+    for an int or float value: a bool, complex, NaN or anything else is a wrong answer, and so is
+    a value the arithmetic cannot handle (an int too large for a float)."""
+
+    form: str                # "abs", "fabs" or "isclose"
+    bound: float = 0.0
+    inclusive: bool = False
+    rel_tol: float = 1e-09   # math.isclose's defaults
+    abs_tol: float = 0.0
+
+    def accepts(self, value: Any, expected: Any) -> bool:
+        if not _is_number(value) or value != value:  # NaN fails every comparison below too
+            return False
+        try:
+            if self.form == "isclose":
+                return math.isclose(value, expected, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
+            difference = value - expected
+            distance = math.fabs(difference) if self.form == "fabs" else abs(difference)
+            return distance <= self.bound if self.inclusive else distance < self.bound
+        except (OverflowError, ValueError, TypeError):
+            return False
+
+    def describe(self, expected: Any) -> str:
+        if self.form == "isclose":
+            return f"isclose to {expected!r} (rel_tol={self.rel_tol}, abs_tol={self.abs_tol})"
+        return f"within {'<=' if self.inclusive else '<'} {self.bound} of {expected!r}"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CallCheck:
     """One assert of a converted test: the call, and what its outcome must be."""
 
     call: FunctionCall
-    expect: str          # "==", "is", "truthy" or "falsy"
+    expect: str          # "==", "is", "truthy", "falsy" or "close" (within `tolerance`)
     expected: Any = None
+    tolerance: Tolerance | None = None
 
     def passes(self, outcome: CallOutcome | None) -> bool:
         if outcome is None or not outcome.returned:
@@ -99,6 +146,9 @@ class CallCheck:
             return _equal(outcome.value, self.expected)
         if self.expect == "is":
             return outcome.value is self.expected
+        if self.expect == "close":
+            return self.tolerance is not None and self.tolerance.accepts(outcome.value,
+                                                                         self.expected)
         return bool(outcome.value) == (self.expect == "truthy")
 
 
@@ -117,27 +167,83 @@ def _literal(node: ast.expr) -> tuple[bool, Any]:
         return False, None
 
 
+class _NotConstant(Exception):
+    pass
+
+
+def _constant(node: ast.expr) -> tuple[bool, Any]:
+    """A literal, or a tuple / list of constants and arithmetic over number literals (`2.0/3.0`,
+    `3 * 19`, `0**0`, `'ab' + 'c'`) evaluated here, with ints bounded in size; (False, None) for
+    anything else."""
+    ok, value = _literal(node)
+    if ok:
+        return ok, value
+    try:
+        return True, _evaluate(node, 0)
+    except (_NotConstant, ArithmeticError, ValueError, TypeError, MemoryError, RecursionError):
+        return False, None
+
+
+def _evaluate(node: ast.expr, depth: int) -> Any:
+    if depth > _MAX_CONSTANT_DEPTH:
+        raise _NotConstant
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List)):
+        items = [_evaluate(item, depth + 1) for item in node.elts]
+        return tuple(items) if isinstance(node, ast.Tuple) else items
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        operand = _evaluate(node.operand, depth + 1)
+        if not _is_number(operand):
+            raise _NotConstant
+        return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        left, right = _evaluate(node.left, depth + 1), _evaluate(node.right, depth + 1)
+        if isinstance(node.op, ast.Add) and type(left) is str and type(right) is str:
+            return left + right
+        if not (_is_number(left) and _is_number(right)):
+            raise _NotConstant
+        if type(left) is int and type(right) is int and (
+                isinstance(node.op, ast.Mult)
+                and left.bit_length() + right.bit_length() > _MAX_CONSTANT_BITS
+                or isinstance(node.op, ast.Pow)
+                and max(left.bit_length(), 1) * abs(right) > _MAX_CONSTANT_BITS):
+            raise _NotConstant
+        value = _ARITHMETIC[type(node.op)](left, right)
+        if not _is_number(value):  # (-8) ** 0.5 is complex
+            raise _NotConstant
+        return value
+    raise _NotConstant
+
+
+def _number(node: ast.expr) -> tuple[bool, Any]:
+    ok, value = _constant(node)
+    return (True, value) if ok and _is_number(value) else (False, None)
+
+
 def _call_of(node: ast.expr, names: set[str]) -> FunctionCall | None:
-    """`f(<literals>, k=<literal>)` with f in `names` (the call's function is the program's)."""
+    """`f(<constants>, k=<constant>)` with f in `names` (the call's function is the program's)."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in names):
         return None
     args, kwargs = [], []
     for arg in node.args:
-        ok, value = _literal(arg)
+        ok, value = _constant(arg)
         if not ok or isinstance(arg, ast.Starred):
             return None
         args.append(value)
     for keyword in node.keywords:
-        ok, value = _literal(keyword.value)
+        ok, value = _constant(keyword.value)
         if not ok or keyword.arg is None:
             return None
         kwargs.append((keyword.arg, value))
     return FunctionCall(function=node.func.id, args=tuple(args), kwargs=tuple(kwargs))
 
 
-def _check_of(statement: ast.stmt, names: set[str], function: dict[str, str]) -> CallCheck | None:
-    """An assert statement as a CallCheck; None when it is anything else."""
+def _check_of(statement: ast.stmt, names: set[str], function: dict[str, str],
+              helpers: frozenset[str] = frozenset()) -> CallCheck | None:
+    """An assert statement as a CallCheck; None when it is anything else. `helpers`: which of
+    "abs" (the built-in) and "math" (the module) the test can use here."""
     if not isinstance(statement, ast.Assert):
         return None
     test = statement.test
@@ -151,7 +257,7 @@ def _check_of(statement: ast.stmt, names: set[str], function: dict[str, str]) ->
         call = _call_of(left, names)
         if call is None:  # `expected == f(...)`
             left, right, call = right, left, _call_of(right, names)
-        ok, expected = _literal(right)
+        ok, expected = _constant(right)
         if call is not None and ok:
             if isinstance(test.ops[0], ast.Eq):
                 check = CallCheck(call, "==", expected)
@@ -159,14 +265,105 @@ def _check_of(statement: ast.stmt, names: set[str], function: dict[str, str]) ->
                     and type(expected) in (bool, type(None)):
                 check = CallCheck(call, "is", expected)
     if check is None:
+        check = _tolerance_check(test, names, helpers)
+    if check is None:
         return None
     real = function.get(check.call.function, check.call.function)  # candidate -> entry point
     return dataclasses.replace(check, call=dataclasses.replace(check.call, function=real))
 
 
+def _helper(node: ast.expr, helpers: frozenset[str]) -> str | None:
+    """Which of abs, math.fabs and math.isclose `node` names ("abs", "fabs", "isclose"), where
+    the test did not rebind it; else None."""
+    if isinstance(node, ast.Name) and node.id == "abs" and "abs" in helpers:
+        return "abs"
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "math" and "math" in helpers
+            and node.attr in ("fabs", "isclose")):
+        return node.attr
+    return None
+
+
+def _tolerance_check(test: ast.expr, names: set[str],
+                     helpers: frozenset[str]) -> CallCheck | None:
+    """`abs(f(...) - x) < tol` (or `<=`, `tol > ...`, `math.fabs`, `x - f(...)`) and
+    `math.isclose(f(...), x, rel_tol=..., abs_tol=...)` (either order) with number constants."""
+    if isinstance(test, ast.Call) and _helper(test.func, helpers) == "isclose":
+        if len(test.args) != 2 or any(isinstance(a, ast.Starred) for a in test.args):
+            return None
+        tolerances = {}
+        for keyword in test.keywords:
+            ok, value = _number(keyword.value)
+            if not ok or keyword.arg not in ("rel_tol", "abs_tol") or keyword.arg in tolerances:
+                return None
+            tolerances[keyword.arg] = value
+        call, expected = _call_and_number(test.args[0], test.args[1], names)
+        if call is None:
+            return None
+        return CallCheck(call, "close", expected, Tolerance("isclose", **tolerances))
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    op, distance, bound_node = test.ops[0], test.left, test.comparators[0]
+    if isinstance(op, (ast.Gt, ast.GtE)):  # `tol > abs(...)`
+        distance, bound_node = bound_node, distance
+    elif not isinstance(op, (ast.Lt, ast.LtE)):
+        return None
+    if not (isinstance(distance, ast.Call) and len(distance.args) == 1 and not distance.keywords
+            and isinstance(distance.args[0], ast.BinOp)
+            and isinstance(distance.args[0].op, ast.Sub)):
+        return None
+    form = _helper(distance.func, helpers)
+    ok, bound = _number(bound_node)
+    if form not in ("abs", "fabs") or not ok:
+        return None
+    difference = distance.args[0]
+    call, expected = _call_and_number(difference.left, difference.right, names)
+    if call is None:
+        return None
+    return CallCheck(call, "close", expected,
+                     Tolerance(form, bound=bound, inclusive=isinstance(op, (ast.LtE, ast.GtE))))
+
+
+def _call_and_number(a: ast.expr, b: ast.expr,
+                     names: set[str]) -> tuple[FunctionCall | None, Any]:
+    """(the call, the number) of `f(...)` and a number constant, in either order."""
+    for call_node, number_node in ((a, b), (b, a)):
+        call = _call_of(call_node, names)
+        ok, number = _number(number_node)
+        if call is not None and ok:
+            return call, number
+    return None, None
+
+
+def _rebound_names(module: ast.Module) -> set[str]:
+    """Every name the test binds anywhere, except by a plain `import math`."""
+    bound = set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and not _imports_math(node):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+            bound.add(node.name)
+        elif isinstance(node, ast.MatchMapping) and node.rest:
+            bound.add(node.rest)
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            bound.update(node.names)
+    return bound
+
+
+def _imports_math(statement: ast.stmt) -> bool:
+    return isinstance(statement, ast.Import) and all(
+        a.name == "math" and a.asname in (None, "math") for a in statement.names)
+
+
 def convert_test(test: str) -> tuple[CallCheck, ...] | None:
     """A function-call test as plain calls and expected values, when it is only asserts over
-    calls with literal arguments and literal expected values: HumanEval's
+    calls with constant arguments and constant expected values (or tolerances): HumanEval's
     `def check(candidate): assert candidate(...) == ...` + `check(entry_point)`, or top-level
     `assert f(...) == ...`. None for anything else (it then runs in the sandbox's checker)."""
     try:
@@ -184,18 +381,23 @@ def convert_test(test: str) -> tuple[CallCheck, ...] | None:
         elif isinstance(statement, ast.FunctionDef):
             check_functions[statement.name] = statement
             defined.add(statement.name)
+    rebound = _rebound_names(module)
+    helpers = frozenset({"abs"} - rebound)  # "math" once a plain `import math` has run
     for statement in module.body:
+        if _imports_math(statement) and "math" not in rebound:
+            helpers |= {"math"}
         if isinstance(statement, (ast.Import, ast.ImportFrom, ast.Assign, ast.FunctionDef)):
             continue  # used only through the statements below
         if isinstance(statement, ast.Assert):
             names = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)} - defined \
                 - set(dir(builtins))
-            check = _check_of(statement, names, {})
+            check = _check_of(statement, names, {}, helpers)
             if check is None:
                 return None
             checks.append(check)
             continue
-        converted = _converted_check_call(statement, check_functions, defined)
+        converted = _converted_check_call(statement, check_functions, defined, helpers,
+                                          "math" not in rebound)
         if converted is None:
             return None
         checks.extend(converted)
@@ -203,8 +405,10 @@ def convert_test(test: str) -> tuple[CallCheck, ...] | None:
 
 
 def _converted_check_call(statement: ast.stmt, check_functions: dict[str, ast.FunctionDef],
-                          defined: set[str]) -> list[CallCheck] | None:
-    """`check(entry_point)` where check is `def check(candidate)` made of convertible asserts."""
+                          defined: set[str], helpers: frozenset[str],
+                          math_importable: bool) -> list[CallCheck] | None:
+    """`check(entry_point)` where check is `def check(candidate)` made of convertible asserts
+    (and `import math`)."""
     if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)):
         return None
     call = statement.value
@@ -224,7 +428,10 @@ def _converted_check_call(statement: ast.stmt, check_functions: dict[str, ast.Fu
         if isinstance(statement, ast.Assert) and isinstance(statement.test, ast.Constant) \
                 and statement.test.value is True:
             continue  # `assert True, "This prints if this assert fails"`
-        check = _check_of(statement, {parameter}, {parameter: entry_point})
+        if _imports_math(statement) and math_importable:
+            helpers |= {"math"}
+            continue
+        check = _check_of(statement, {parameter}, {parameter: entry_point}, helpers)
         if check is None:
             return None
         checks.append(check)
@@ -291,7 +498,9 @@ def _mismatch(check: CallCheck, outcome: CallOutcome | None) -> str:
         return f"{call} was not reached"
     if not outcome.returned:
         return f"{call} {outcome.error}"
-    want = repr(check.expected)[:40] if check.expect in ("==", "is") else check.expect
+    want = (repr(check.expected)[:40] if check.expect in ("==", "is")
+            else check.tolerance.describe(check.expected)[:80] if check.tolerance
+            else check.expect)
     return f"{call} returned {repr(outcome.value)[:40]}, expected {want}"
 
 

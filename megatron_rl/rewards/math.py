@@ -12,6 +12,12 @@ at most `timeout_s + _HARD_GRACE_S` before killing the worker (a fresh one start
 
 A worker that dies, or math-verify raising inside it, is a verifier failure (`verifier_error`:
 no reward), not a wrong answer; a grading timeout stays `timeout` (the answer is too costly).
+At the hard timeout the worker's scheduler state tells the two apart: a worker still running
+(state R: computing, e.g. the big power above) timed out on the answer; one that is not (stopped,
+or asleep in a deadlock) hung, which says nothing about the answer: a verifier failure, graded
+again by a fresh worker (`RewardRegistry.score_many`). Each dead or hung worker is a fault record
+(`MathVerifier.take_faults`: detected when its grading failed, recovered when a fresh worker next
+answered) that a run writes to faults.jsonl (docs/fault_tolerance.md).
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 
 from megatron_rl.rewards.types import (
@@ -98,16 +105,30 @@ class _Worker:
             self.kill()
             raise RuntimeError("the math-verify worker did not start; is math-verify installed?")
 
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
     def is_alive(self) -> bool:
         return self.process.poll() is None
 
-    def grade(self, answer_text: str, gold: str, timeout_s: float) -> tuple[str, str] | None:
-        """The worker's reply, or None when it had to be killed."""
+    def grade(self, answer_text: str, gold: str, timeout_s: float) -> tuple[str, str] | str:
+        """The worker's reply; or, when it had to be killed at the hard timeout, its scheduler
+        state then (a one-letter string: "R" running, "T" stopped, "S" asleep, ...)."""
         self.conn.send((answer_text, gold, timeout_s))
         if self.conn.poll(timeout_s + _HARD_GRACE_S):
             return self.conn.recv()
+        state = self.state()
         self.kill()
-        return None
+        return state
+
+    def state(self) -> str:
+        """The process state letter from /proc (man 5 proc); "R" where /proc has none."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", encoding="ascii") as f:
+                return f.read().rpartition(")")[2].split()[0]  # the command may hold spaces
+        except (OSError, IndexError):
+            return "R"
 
     def kill(self) -> None:
         self.process.kill()
@@ -128,6 +149,9 @@ class MathVerifier:
         for _ in range(self.config.num_workers):
             self._idle.put(None)
         self._closed = threading.Event()
+        self._faults_lock = threading.Lock()
+        self._faults_open: list[dict] = []   # dead or hung workers no fresh worker answered since
+        self._faults_done: list[dict] = []
 
     def __call__(self, completion: str, gold: str) -> RewardResult:
         return self.grade(completion, gold)
@@ -144,24 +168,53 @@ class MathVerifier:
         if self._closed.is_set():
             raise RuntimeError("MathVerifier.grade called after close()")
         worker = self._idle.get()
+        pid = None
         try:
             if worker is None:
                 worker = _Worker(self._options)
+            pid = getattr(worker, "pid", None)  # for the fault record
             reply = worker.grade(answer, gold, self.config.timeout_s)
         except (EOFError, OSError) as exc:  # the worker died: a verifier failure, not a verdict
             worker = None                     # (a fresh worker grades the retry)
-            return make_result(Reason.VERIFIER_ERROR, scale,
-                               detail=f"math worker died: {type(exc).__name__}: {exc}")
+            what = f"math worker died: {type(exc).__name__}: {exc}"
+            self._fault(f"{what} (pid {pid})")
+            return make_result(Reason.VERIFIER_ERROR, scale, detail=what)
         finally:
             if worker is not None and (self._closed.is_set() or not worker.is_alive()):
                 worker.kill()
                 worker = None
             self._idle.put(worker)
-        if reply is None:
+        if isinstance(reply, str) and reply != "R":  # killed, and it was not computing: hung
+            what = (f"math worker hung (process state {reply} at the hard timeout, "
+                    f"{self.config.timeout_s + _HARD_GRACE_S} s); killed")
+            self._fault(f"{what} (pid {pid})")
+            return make_result(Reason.VERIFIER_ERROR, scale, detail=what)
+        if isinstance(reply, str):
             return make_result(Reason.TIMEOUT, scale,
                                detail=f"killed after {self.config.timeout_s + _HARD_GRACE_S} s")
+        self._answered()
         reason, detail = reply
         return make_result(Reason(reason), scale, detail=detail)
+
+    def _fault(self, what: str) -> None:
+        with self._faults_lock:
+            self._faults_open.append({"kind": "reward_worker", "what": what,
+                                      "detected_at": time.time()})
+
+    def _answered(self) -> None:
+        if self._faults_open:  # a worker answered after a dead or hung one: recovered
+            with self._faults_lock:
+                for fault in self._faults_open:
+                    fault["recovered_at"] = time.time()
+                self._faults_done += self._faults_open
+                self._faults_open = []
+
+    def take_faults(self) -> list[dict]:
+        """The dead or hung workers since the last call that a fresh worker has replaced (and
+        answered for): records {kind, what, detected_at, recovered_at} for faults.jsonl."""
+        with self._faults_lock:
+            done, self._faults_done = self._faults_done, []
+        return done
 
     def close(self) -> None:
         self._closed.set()

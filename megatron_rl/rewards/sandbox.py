@@ -120,6 +120,12 @@ class SandboxConfig:
             raise ValueError("SandboxConfig.uid_lock_dir must be an absolute path, got "
                              f"{self.uid_lock_dir!r}")
 
+    @classmethod
+    def from_run_config(cls, run: Any, **overrides: Any) -> SandboxConfig:
+        """The run's sandbox: from a `megatron_rl.config.RunConfig` (reads
+        algorithm.sandbox_isolation, the opt-in to the seccomp fallback)."""
+        return cls(isolation=run.algorithm.sandbox_isolation, **overrides)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class FunctionCall:
@@ -607,7 +613,8 @@ def _classify(run: _RunIO, request: ExecutionRequest, limits: SandboxLimits,
         raise SandboxUnavailableError(
             f"{refused[0]}. The code sandbox needs namespaces (root, or CAP_SYS_ADMIN) to isolate "
             "programs properly; to accept the weaker seccomp fallback on this host set "
-            "SandboxConfig(isolation='auto') (docs/rewards.md: threat model)")
+            "algorithm.sandbox_isolation=auto in the run config (SandboxConfig(isolation='auto'))"
+            " (docs/rewards.md: threat model)")
     ours = [p for k, p in status_records + check_records if k == "X"]
     finals = [p for k, p in status_records if k == "S"]
     if status_malformed and not ours:

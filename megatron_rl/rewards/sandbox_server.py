@@ -633,6 +633,8 @@ def _run_init(children: dict[int, str]) -> None:
     """PID 1 of the sandbox: reaps orphans, and once the candidate and the checker have ended
     reports the candidate's wait status. A program is never PID 1 itself, since the kernel drops
     default-action signals (SIGXCPU, a program's own kill()) sent to a namespace's init."""
+    # No Python handler: as PID 1 of the namespace, init then never gets SIGINT from the run.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     for fd in (0, 1, 2, 3, 5):  # EOF on the run's pipes must not wait for init
         os.close(fd)
     pending, candidate_status = dict(children), 0
@@ -859,6 +861,10 @@ def _start_processes(job: dict) -> dict:
         replies_r, replies_w = os.pipe()
         checker = _fork("checker")
         if checker == 0:
+            # The program may signal the checker (same uid): SIGINT must end it (the tests did
+            # not finish: the program's failure), never raise KeyboardInterrupt into the
+            # harness, which would report "the checker failed" (a sandbox_error).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             for fd in (0, 3, 4, calls_r, replies_w):
                 os.close(fd)
             os.open("/dev/null", os.O_RDONLY)  # descriptor 0

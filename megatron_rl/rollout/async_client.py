@@ -49,8 +49,12 @@ class AsyncSGLangClient:
     """Use inside a running event loop; `close()` (or `async with`) releases its connections."""
 
     def __init__(self, url: str, *, request_timeout_s: float = 300.0,
-                 connection_retries: int = 3, backoff_s: float = 0.2):
+                 connection_retries: int = 3, backoff_s: float = 0.2,
+                 return_routed_experts: bool = False):
         self.url = url.rstrip("/")
+        # Routing replay: every result carries its positions' routed experts (the server must
+        # run with enable_return_routed_experts).
+        self.return_routed_experts = return_routed_experts
         self.request_timeout_s = request_timeout_s
         self.connection_retries = connection_retries
         self.backoff_s = backoff_s
@@ -109,6 +113,8 @@ class AsyncSGLangClient:
         sampling["max_new_tokens"] = int(max_new_tokens)
         payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling,
                    "return_logprob": True}
+        if self.return_routed_experts:
+            payload["return_routed_experts"] = True
         if extra_key is not None:
             payload["extra_key"] = extra_key
         self._request_started()
@@ -149,4 +155,5 @@ class AsyncSGLangClient:
         if not isinstance(out, dict) or "meta_info" not in out:
             raise GeneratorError(f"SGLang server {self.url}: /generate returned "
                                  f"{type(out).__name__}, not one completion")
-        return _generation_result(out, input_ids, 0, 0, self.url)
+        return _generation_result(out, input_ids, 0, 0, self.url,
+                                  routed_experts=self.return_routed_experts)

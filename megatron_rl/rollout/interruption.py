@@ -100,8 +100,7 @@ def find_subsequence(tokens: Sequence[int], pattern: Sequence[int]) -> int | Non
 
 
 def _sampled(result: GenerationResult) -> Segment:
-    return Segment(token_ids=result.token_ids, logprobs=result.logprobs,
-                   versions=result.versions)
+    return Segment.from_generation(result)  # with the routed experts, when requested
 
 
 async def _generate(generate_one: GenerateOne, prefix: tuple[int, ...],

@@ -7,11 +7,20 @@ behaviour log-prob, no policy version) and a second request writes the answer. U
 each token may come from a different policy version (weights change in flight), so every sampled
 token keeps the version that produced it and its behaviour log-prob; CISPO's importance ratio and
 the staleness bound read them from here.
+
+With routing replay (rollout.routing_replay, docs/routing_replay.md) a sample also carries the
+experts the generator routed every position to, one compact table for prompt + completion: row t
+holds position t's expert ids (layer-major, top-k per layer). Each request returns the rows of its
+whole input (prefix and output but the last token); `assemble_sample` keeps, for the positions
+whose outputs a request sampled, that request's rows, i.e. the routing under which each behaviour
+log-prob was computed.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+
+import torch
 
 # Stands in a per-token version list for tokens no policy produced (the interruption phrase).
 NOT_SAMPLED = -1
@@ -26,6 +35,15 @@ class Segment:
     logprobs: tuple[float, ...] = ()  # behaviour log-probs, sampled segments only
     versions: tuple[int, ...] = ()  # policy version per token, sampled segments only
     sampled: bool = True
+    # The request's routed experts (routing replay): [len(request input) + len(token_ids) - 1,
+    # layers * top_k] uint8/uint16, GenerationResult.routed_experts; sampled segments only.
+    routed_experts: torch.Tensor | None = None
+
+    @classmethod
+    def from_generation(cls, result) -> "Segment":
+        """The sampled segment of one request's GenerationResult."""
+        return cls(token_ids=result.token_ids, logprobs=result.logprobs,
+                   versions=result.versions, routed_experts=result.routed_experts)
 
     def __post_init__(self) -> None:
         if self.sampled and not len(self.token_ids) == len(self.logprobs) == len(self.versions):
@@ -53,6 +71,9 @@ class RolloutSample:
     interrupted: bool  # the interruption phrase was appended
     segment_offsets: tuple[int, ...]  # start of each segment in the completion
     thinking_budget: int | None = None  # the drawn budget (None: no forced interruption)
+    # Routing replay: [len(prompt) + len(completion) - 1, layers * top_k] uint8/uint16 expert
+    # ids per position (the last token's routing is never computed); None without replay.
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -60,6 +81,11 @@ class RolloutSample:
             raise ValueError(f"sample {self.group_id}/{self.sample_index}: {n} tokens but "
                              f"{len(self.logprobs)} log-probs, {len(self.versions)} versions, "
                              f"{len(self.loss_mask)} mask entries")
+        if self.routed_experts is not None:
+            from megatron_rl.rollout.types import check_routed_experts_rows
+
+            check_routed_experts_rows(self.routed_experts, len(self.prompt_token_ids) + n - 1,
+                                      f"sample {self.group_id}/{self.sample_index}")
 
     @property
     def sampled_versions(self) -> tuple[int, ...]:
@@ -109,4 +135,34 @@ def assemble_sample(*, group_id: int, sample_index: int, prompt_token_ids: Seque
         prompt_token_ids=tuple(int(t) for t in prompt_token_ids), token_ids=tuple(token_ids),
         logprobs=tuple(logprobs), versions=tuple(versions), loss_mask=tuple(mask),
         finish_reason=finish_reason, interrupted=any(not s.sampled for s in segments),
-        segment_offsets=tuple(offsets), thinking_budget=thinking_budget)
+        segment_offsets=tuple(offsets), thinking_budget=thinking_budget,
+        routed_experts=_merge_routed_experts(len(prompt_token_ids), segments, offsets,
+                                             len(token_ids)))
+
+
+def _merge_routed_experts(num_prompt: int, segments: Sequence[Segment],
+                          offsets: Sequence[int], num_tokens: int) -> torch.Tensor | None:
+    """One table for the whole sample: the first request's rows, then from each later request
+    the rows from the position that predicted its first token on (its behaviour log-probs were
+    computed under that routing). Rows after the last request (an inserted tail) repeat its last
+    row: they precede no sampled token, so their routing changes no trained log-prob."""
+    sampled = [(s, o) for s, o in zip(segments, offsets) if s.sampled and s.token_ids]
+    if not sampled or all(s.routed_experts is None for s, _ in sampled):
+        return None
+    if any(s.routed_experts is None for s, _ in sampled):
+        raise ValueError("some requests of a sample returned routed experts and others did not; "
+                         "routing replay needs them from every request")
+    table = None
+    for segment, offset in sampled:
+        start = num_prompt + offset - 1  # the position predicting the segment's first token
+        rows = segment.routed_experts
+        if rows.shape[0] != start + len(segment.token_ids):
+            raise ValueError(f"a request's routed experts have {rows.shape[0]} rows; its input "
+                             f"and output cover {start + len(segment.token_ids)} positions")
+        # Positions between the two requests (an inserted phrase) only the later one computed.
+        keep = 0 if table is None else min(start, table.shape[0])
+        table = rows if table is None else torch.cat([table[:keep], rows[keep:]])
+    missing = num_prompt + num_tokens - 1 - table.shape[0]
+    if missing > 0:
+        table = torch.cat([table, table[-1:].expand(missing, -1)])
+    return table

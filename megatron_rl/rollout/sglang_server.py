@@ -4,10 +4,12 @@ nothing is detokenised and retokenised).
 
 `SGLangServerSettings` maps our rollout configuration onto SGLang's own server arguments (tp_size,
 ep_size, dtype, mem_fraction_static, enable_fp32_lm_head (on by default, SCALERL.md section 6),
-attention_backend, ...). `SGLangServer.launch(settings)` starts `python -m
-megatron_rl.rollout.sglang_launch <args>` (which applies megatron_rl.platform.sglang_cpu's fixes on
-a CPU-only machine, so the same code path runs here and on GPU) in its own process group and waits
-for /health with a timeout, failing early with the server's log tail if the process exits.
+attention_backend, ...); on CPU with tp_size > 1 it also gives each rank its own cores and a
+KV-cache bound (`cpu_threads_bind`, `cpu_rank_max_total_tokens`). `SGLangServer.launch(settings)`
+starts `python -m megatron_rl.rollout.sglang_launch <args>` (which applies
+megatron_rl.platform.sglang_cpu's fixes on a CPU-only machine, so the same code path runs here and
+on GPU) in its own process group and waits for /health with a timeout, failing early with the
+server's log tail if the process exits.
 `SGLangGenerator` implements the Generator interface over HTTP: every call has a timeout; calls
 that cannot have reached the server (connection refused) are retried with exponential backoff;
 errors carry the server's own message; a server whose process exited or that no longer answers is
@@ -36,7 +38,8 @@ import torch
 
 from megatron_rl.rollout.generator import Generator
 from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, GeneratorError,
-                                       SamplingParams, TensorSpec, WeightUpdateGroup)
+                                       SamplingParams, TensorSpec, WeightUpdateGroup,
+                                       decode_routed_experts)
 
 _PAUSE_MODES = ("in_place", "retract", "abort")
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -58,6 +61,15 @@ class SGLangServerSettings:
     device: str | None = None  # None: cuda when available, else cpu
     max_total_tokens: int | None = None
     context_length: int | None = None
+    # CPU engines with several ranks (tp_size > 1; ep_size splits the same ranks). SGLang reads
+    # rank r's cores from the r-th '|'-separated entry of SGLANG_CPU_OMP_THREADS_BIND and,
+    # without it, asserts ranks <= NUMA nodes (one on most machines); and every rank sizes its
+    # KV cache from the whole machine's memory (a rank is OOM-killed). None: automatic (the
+    # process's cores split evenly across the ranks, `cpu_threads_bind_for`; and, unless
+    # mem_fraction_static or max_total_tokens is set, max_total_tokens = cpu_rank_max_total_tokens
+    # per rank). Ignored on GPU and at tp_size 1.
+    cpu_threads_bind: str | None = None
+    cpu_rank_max_total_tokens: int = 16384
     random_seed: int = 0
     sleep_on_idle: bool = True  # the idle scheduler blocks instead of spinning a core at 100%
     # Exact per-token policy versions across in-flight weight updates (Pipeline-RL). SGLang's
@@ -75,6 +87,9 @@ class SGLangServerSettings:
     # ranks it shares (None: what the process sees).
     enable_memory_saver: bool = False
     visible_devices: tuple[str, ...] | None = None
+    # Routing replay (rollout.routing_replay): SGLang records each token's routed experts and
+    # returns them to requests that ask (`SGLangGenerator(return_routed_experts=True)`).
+    enable_return_routed_experts: bool = False
     extra_args: tuple[str, ...] = ()  # further SGLang CLI arguments, verbatim
     # Sample each request from its own sampling_seed (rollout.deterministic): on CPU through
     # megatron_rl.platform.sglang_cpu's fix 8, on GPU with --enable-deterministic-inference.
@@ -88,6 +103,11 @@ class SGLangServerSettings:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"tp_size {self.tp_size} / ep_size {self.ep_size}: both must be >= 1 "
                              "and ep_size must divide tp_size")
+        if self.cpu_threads_bind is not None \
+                and len(self.cpu_threads_bind.split("|")) != self.tp_size:
+            raise ValueError(f"cpu_threads_bind {self.cpu_threads_bind!r}: one '|'-separated "
+                             f"core list per rank, {self.tp_size} (tp_size) in all, e.g. "
+                             f"{cpu_threads_bind_for(self.tp_size, range(2 * self.tp_size))!r}")
         if not Path(self.model_path).exists():
             raise FileNotFoundError(f"model_path {self.model_path} does not exist: point it at an "
                                     "HF model folder (config.json + *.safetensors)")
@@ -102,6 +122,10 @@ class SGLangServerSettings:
             fields["extra_args"] = (*fields.get("extra_args", ()), "--max-running-requests", "1",
                                     "--disable-radix-cache")
             fields["honour_sampling_seeds"] = True
+        # Routing replay: MoE models only (a dense model has no routing to return).
+        fields.setdefault("enable_return_routed_experts",
+                          getattr(rollout, "routing_replay", False) and is_moe_model(model_path))
+        fields.setdefault("max_total_tokens", rollout.max_total_tokens)
         return cls(model_path=model_path, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
                    dtype=rollout.dtype, mem_fraction_static=rollout.mem_fraction_static,
                    enable_fp32_lm_head=rollout.enable_fp32_lm_head,
@@ -127,6 +151,8 @@ class SGLangServerSettings:
             args.append("--sleep-on-idle")
         if self.disable_overlap_schedule:
             args.append("--disable-overlap-schedule")
+        if self.enable_return_routed_experts:
+            args.append("--enable-return-routed-experts")
         if self.enable_memory_saver:
             args.append("--enable-memory-saver")
         attention_backend = self.attention_backend or ("torch_native" if device == "cpu" else None)
@@ -140,12 +166,64 @@ class SGLangServerSettings:
                 args.append("--disable-hybrid-swa-memory")
         elif self.honour_sampling_seeds:  # SGLang's own switch (needs a GPU attention backend)
             args.append("--enable-deterministic-inference")
+        max_total_tokens = self.max_total_tokens
+        if self._multi_rank_cpu and max_total_tokens is None and self.mem_fraction_static is None:
+            max_total_tokens = self.cpu_rank_max_total_tokens  # a bound per rank (see field)
         for flag, value in (("--mem-fraction-static", self.mem_fraction_static),
-                            ("--max-total-tokens", self.max_total_tokens),
+                            ("--max-total-tokens", max_total_tokens),
                             ("--context-length", self.context_length)):
             if value is not None:
                 args += [flag, str(value)]
         return args + list(self.extra_args)
+
+    @property
+    def _multi_rank_cpu(self) -> bool:
+        return self.resolved_device == "cpu" and self.tp_size > 1
+
+    def cpu_environment(self) -> dict[str, str]:
+        """Environment of a multi-rank CPU engine's processes ({} otherwise): the cores of each
+        rank (SGLANG_CPU_OMP_THREADS_BIND) and as many torch threads per rank (OMP_NUM_THREADS:
+        SGLang's thread binding needs its AMX kernels, so without them every rank would run one
+        thread per core of the machine and the ranks would fight over the same cores)."""
+        if not self._multi_rank_cpu:
+            return {}
+        bind = self.cpu_threads_bind or cpu_threads_bind_for(self.tp_size)
+        threads = min(_num_cpus(entry) for entry in bind.split("|"))
+        return {"SGLANG_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(max(threads, 1))}
+
+
+def cpu_threads_bind_for(num_ranks: int, cpus: Sequence[int] | None = None) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `num_ranks` ranks over `cpus` (default: the cores this
+    process may run on): consecutive equal shares, "0|1" for 2 ranks on 2 cores; with fewer cores
+    than ranks, ranks share cores round-robin."""
+    cpus = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if len(cpus) < num_ranks:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(num_ranks))
+    share = len(cpus) // num_ranks
+    return "|".join(",".join(str(c) for c in cpus[r * share:(r + 1) * share])
+                    for r in range(num_ranks))
+
+
+def _num_cpus(entry: str) -> int:
+    """The number of cores in one SGLANG_CPU_OMP_THREADS_BIND entry ("0-3,8" -> 5)."""
+    count = 0
+    for part in entry.split(","):
+        low, _, high = part.partition("-")
+        count += int(high or low) - int(low) + 1
+    return count
+
+
+def is_moe_model(model_path: str) -> bool:
+    """Whether the HF config (or its text_config) has routed experts (num_experts /
+    num_local_experts): the models routing replay applies to."""
+    import json
+
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    return any(c.get("num_experts") or c.get("num_local_experts")
+               for c in (config, config.get("text_config") or {}))
 
 
 def _uses_chunked_attention(model_path: str) -> bool:
@@ -195,6 +273,7 @@ class SGLangServer:
         env = dict(os.environ)
         if settings.resolved_device == "cpu":
             env.update(sglang_cpu_environment())
+            env.update(settings.cpu_environment())
             if settings.honour_sampling_seeds:
                 env[SAMPLING_SEEDS_ENV] = "1"
                 # SGLang torch.compiles the seeded sampler; inductor's C++ build on CPU shares
@@ -276,11 +355,15 @@ def wait_for_health(url: str, timeout_s: float, *, exit_error=lambda: None,
 class SGLangGenerator(Generator):
     """The Generator interface over one SGLang server's HTTP API."""
 
-    def __init__(self, url: str, *, num_ranks: int = 1, server: SGLangServer | None = None,
+    def __init__(self, url: str, *, num_ranks: int | None = 1,
+                 server: SGLangServer | None = None,
                  request_timeout_s: float = 300.0, max_retries: int = 3,
-                 backoff_s: float = 0.5):
+                 backoff_s: float = 0.5, return_routed_experts: bool = False):
         self.url = url.rstrip("/")
         self.server = server
+        # Ask for every position's routed experts (the server needs
+        # enable_return_routed_experts); GenerationResult.routed_experts carries them.
+        self.return_routed_experts = return_routed_experts
         self._num_ranks = num_ranks
         self.request_timeout_s = request_timeout_s
         self.max_retries = max_retries
@@ -291,7 +374,8 @@ class SGLangGenerator(Generator):
     def launch(cls, settings: SGLangServerSettings) -> "SGLangGenerator":
         server = SGLangServer.launch(settings)
         return cls(server.url, num_ranks=settings.tp_size, server=server,
-                   request_timeout_s=settings.request_timeout_s, max_retries=settings.max_retries)
+                   request_timeout_s=settings.request_timeout_s, max_retries=settings.max_retries,
+                   return_routed_experts=settings.enable_return_routed_experts)
 
     def shutdown(self) -> None:
         if self.server is not None:
@@ -299,6 +383,10 @@ class SGLangGenerator(Generator):
 
     @property
     def num_ranks(self) -> int:
+        """The engine ranks that join a weight-update group (SGLang: rank_offset + tp_rank;
+        ep_size splits the same ranks). Constructed with num_ranks=None: asked of the server."""
+        if self._num_ranks is None:
+            self._num_ranks = int(self._request("GET", "/server_info")["tp_size"])
         return self._num_ranks
 
     @property
@@ -374,13 +462,16 @@ class SGLangGenerator(Generator):
             sampling.append(item)
         payload = {"input_ids": [list(map(int, prompts[p])) for p, _ in items],
                    "sampling_params": sampling, "return_logprob": True}
+        if self.return_routed_experts:
+            payload["return_routed_experts"] = True
         if extra_key is not None:
             payload["extra_key"] = extra_key  # one prefix-cache namespace for the whole batch
         outputs = self._request("POST", "/generate", payload)
         if not isinstance(outputs, list) or len(outputs) != len(items):
             raise GeneratorError(f"SGLang server {self.url}: /generate returned "
                                  f"{type(outputs).__name__} for {len(items)} requests")
-        return [_generation_result(out, prompts[p], p, k, self.url)
+        return [_generation_result(out, prompts[p], p, k, self.url,
+                                   routed_experts=self.return_routed_experts)
                 for (p, k), out in zip(items, outputs)]
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
@@ -575,7 +666,8 @@ def _token_versions(meta: dict, num_tokens: int, url: str) -> tuple[int, ...]:
 
 
 def _generation_result(out: dict, prompt: Sequence[int], prompt_index: int,
-                       sample_index: int, url: str) -> GenerationResult:
+                       sample_index: int, url: str, *,
+                       routed_experts: bool = False) -> GenerationResult:
     meta = out["meta_info"]
     token_ids = tuple(int(t) for t in out["output_ids"])
     entries = meta.get("output_token_logprobs") or []
@@ -583,9 +675,19 @@ def _generation_result(out: dict, prompt: Sequence[int], prompt_index: int,
         raise GeneratorError("SGLang returned output log-probs that do not match its output ids")
     finish = meta.get("finish_reason") or {}
     finish_type = finish.get("type", "abort") if isinstance(finish, dict) else str(finish)
+    routed = None
+    num_positions = len(prompt) + len(token_ids) - 1  # every token but the last went through
+    if meta.get("routed_experts") and num_positions > 0:
+        routed = decode_routed_experts(meta["routed_experts"], num_positions,
+                                       f"SGLang server {url}, completion of prompt {prompt_index}")
+    elif routed_experts and num_positions > 0:
+        raise GeneratorError(
+            f"SGLang server {url}: asked for routed experts (routing replay) but the response has "
+            "none; start the server with enable_return_routed_experts "
+            "(--enable-return-routed-experts) or set rollout.routing_replay=false")
     return GenerationResult(
         prompt_index=prompt_index, sample_index=sample_index,
         prompt_token_ids=tuple(int(t) for t in prompt), token_ids=token_ids,
         logprobs=tuple(float(e[0]) for e in entries),
         versions=_token_versions(meta, len(token_ids), url),
-        finish_reason=_FINISH_REASONS.get(finish_type, finish_type))
+        finish_reason=_FINISH_REASONS.get(finish_type, finish_type), routed_experts=routed)

@@ -122,12 +122,22 @@ class GenerationResult:
     logprobs: tuple[float, ...]  # log pi_gen(token_ids[t] | prefix), one per completion token
     versions: tuple[int, ...]  # the policy (weight) version that produced each completion token
     finish_reason: str  # "stop" | "length" | "abort"
+    # Routing replay (rollout.routing_replay): the experts every MoE layer routed each position
+    # of prompt + completion to, except the last token's (never fed back): [len(prompt) +
+    # len(completion) - 1, num_layers * top_k] uint8 / uint16 (`compact_expert_ids`), row t =
+    # position t, columns layer-major (layer 0's top-k ids, then layer 1's, ...; zeros on dense
+    # layers). None when not requested.
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
             raise ValueError(
                 f"completion of prompt {self.prompt_index} has {len(self.token_ids)} tokens, "
                 f"{len(self.logprobs)} log-probs and {len(self.versions)} versions; they must match")
+        if self.routed_experts is not None:
+            check_routed_experts_rows(self.routed_experts,
+                                      len(self.prompt_token_ids) + len(self.token_ids) - 1,
+                                      f"completion of prompt {self.prompt_index}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,3 +187,38 @@ def derive_seed(*key: object) -> int:
 
     digest = hashlib.blake2b("/".join(map(str, key)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % 2**31
+
+
+def compact_expert_ids(ids) -> torch.Tensor:
+    """Expert ids (any integer array) in the smallest unsigned dtype that holds them: uint8 up
+    to 256 experts, uint16 up to 65536 (1 or 2 bytes per token x layer x top-k)."""
+    ids = torch.as_tensor(ids)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 2**16):
+        raise ValueError(f"expert ids must be in [0, 65536), got [{int(ids.min())}, "
+                         f"{int(ids.max())}]")
+    small = ids.numel() == 0 or int(ids.max()) < 2**8
+    return ids.to(torch.uint8 if small else torch.uint16)
+
+
+def check_routed_experts_rows(routed: torch.Tensor, num_rows: int, what: str) -> None:
+    """Routed experts must be a 2-D [positions, layers x top-k] table with one row per position
+    the generator computed (all tokens but the last)."""
+    compact = routed.dtype in (torch.uint8, torch.uint16)
+    if routed.dim() != 2 or routed.shape[0] != num_rows or not compact:
+        raise ValueError(f"{what}: routed experts {tuple(routed.shape)} {routed.dtype}, expected "
+                         f"[{num_rows}, num_layers * top_k] uint8/uint16 (one row per position "
+                         "but the last)")
+
+
+def decode_routed_experts(encoded: str, num_rows: int, what: str) -> torch.Tensor:
+    """SGLang's meta_info["routed_experts"] (base64 of int32 [rows, num_layers, top_k],
+    sglang/srt/state_capturer/routed_experts.py) as a compact [rows, num_layers * top_k] table."""
+    import base64
+
+    import numpy as np
+
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    if num_rows < 1 or flat.size % num_rows:
+        raise ValueError(f"{what}: {flat.size} routed-expert ids do not split into {num_rows} "
+                         "positions (prompt + completion - 1)")
+    return compact_expert_ids(torch.from_numpy(flat.copy()).reshape(num_rows, -1))

@@ -32,6 +32,9 @@ class TrainBatch:
       advantages[i]    float: the completion's advantage (broadcast to its tokens).
       prompt_ids[i]    int: global prompt id in [0, num_prompts) (groups completions of a prompt).
       sample_ids[i]    int: global completion id; the ids are a permutation of [0, num_samples).
+      routed_experts[i] [L_i - 1, layers * top_k] uint8/uint16, optional (routing replay): the
+                       experts the generator routed input position t to (row t; layer-major),
+                       docs/routing_replay.md. None when the batch carries no routing.
     """
 
     token_ids: Sequence[torch.Tensor]
@@ -40,6 +43,7 @@ class TrainBatch:
     advantages: torch.Tensor
     prompt_ids: torch.Tensor
     sample_ids: torch.Tensor
+    routed_experts: Sequence[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         num = len(self.token_ids)
@@ -69,6 +73,17 @@ class TrainBatch:
             if mask[0] != 0:
                 raise ValueError(f"completion {i}: loss_mask[0] is 1, but the first token has no "
                                  "prediction; it must be a prompt token (mask 0)")
+        if self.routed_experts is not None:
+            if len(self.routed_experts) != num:
+                raise ValueError(f"TrainBatch.routed_experts has {len(self.routed_experts)} "
+                                 f"entries but token_ids has {num}; give one per completion")
+            widths = {int(r.shape[-1]) for r in self.routed_experts}
+            for i, (ids, routed) in enumerate(zip(self.token_ids, self.routed_experts)):
+                if routed.dim() != 2 or routed.shape[0] != ids.numel() - 1 or len(widths) != 1:
+                    raise ValueError(
+                        f"completion {i}: routed_experts {tuple(routed.shape)} must be "
+                        f"[{ids.numel() - 1}, layers * top_k] (one row per input position, the "
+                        f"same width for every completion; widths seen: {sorted(widths)})")
 
     @classmethod
     def from_groups(cls, groups: Sequence[Sequence], advantages: Sequence[Sequence[float]]
@@ -80,6 +95,7 @@ class TrainBatch:
         if len(groups) != len(advantages):
             raise ValueError(f"{len(groups)} groups but {len(advantages)} advantage rows")
         token_ids, loss_mask, old_logprobs, flat_advantages, prompt_ids = [], [], [], [], []
+        routed = []
         for prompt_id, (group, group_advantages) in enumerate(zip(groups, advantages)):
             if len(group) != len(group_advantages):
                 raise ValueError(f"group {prompt_id}: {len(group)} samples but "
@@ -94,9 +110,15 @@ class TrainBatch:
                                                  dtype=torch.float32))
                 flat_advantages.append(float(advantage))
                 prompt_ids.append(prompt_id)
+                routed.append(getattr(sample, "routed_experts", None))
+        carried = [r is not None for r in routed]
+        if any(carried) and not all(carried):
+            raise ValueError(f"{sum(carried)} of {len(routed)} samples carry routed experts; "
+                             "routing replay needs them for every sample of the batch")
         return cls(token_ids=token_ids, loss_mask=loss_mask, old_logprobs=old_logprobs,
                    advantages=torch.tensor(flat_advantages, dtype=torch.float32),
-                   prompt_ids=torch.tensor(prompt_ids), sample_ids=torch.arange(len(token_ids)))
+                   prompt_ids=torch.tensor(prompt_ids), sample_ids=torch.arange(len(token_ids)),
+                   routed_experts=routed if all(carried) else None)
 
     @property
     def num_samples(self) -> int:
@@ -130,6 +152,9 @@ class MicroBatch:
     sample_index: torch.Tensor  # [b, s] int64, global sample id (0 on padding)
     prompt_index: torch.Tensor  # [b, s] int64, global prompt id (0 on padding)
     padding_mask: torch.Tensor  # [b, s] bool, True on padding (excluded from MoE routing)
+    # [b, s, layers * top_k] uint8/uint16 generator expert ids (routing replay; 0 on padding,
+    # which trainer/routing_replay.py replaces by a valid dummy); None: no routing carried.
+    routed_experts: torch.Tensor | None = None
     entropy: torch.Tensor | None = None  # [num_loss_tokens] set by the forward pass (a metric)
 
     @property
@@ -230,4 +255,13 @@ def _collate(batch: TrainBatch, group: list[int], pad_to_multiple: int) -> Micro
         sample_index=per_row(torch.as_tensor(batch.sample_ids), torch.int64),
         prompt_index=per_row(torch.as_tensor(batch.prompt_ids), torch.int64),
         padding_mask=~valid,
+        routed_experts=None if batch.routed_experts is None else padded_rows(
+            [batch.routed_experts[i] for i in group], length),
     )
+
+
+def padded_rows(tables: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Per-position tables [L_i, w] right-padded with zeros to [b, length, w] (dtype kept)."""
+    out = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+    return torch.nn.functional.pad(out, (0, 0, 0, length - out.shape[1])) if \
+        out.shape[1] < length else out

@@ -39,14 +39,32 @@ class CheckpointState:
     rng_restored: bool
 
 
+def async_save_unavailable() -> str | None:
+    """Why Megatron's asynchronous checkpoint save cannot run in this process, or None. Its
+    writer stages every tensor to host memory with `torch.cuda.synchronize()`
+    (dist_checkpointing/strategies/filesystem_async.py, preload_tensors) and does not copy
+    tensors already on the CPU (training would change them under the writer): CUDA only."""
+    if not torch.cuda.is_available():
+        return ("Megatron's asynchronous checkpoint writer stages tensors with "
+                "torch.cuda.synchronize() and does not copy CPU tensors: it needs CUDA")
+    return None
+
+
 def save_checkpoint(directory: str, model, optimizer, scheduler, *, layout: ParallelLayout,
                     groups: ParallelGroups, step: int, num_skipped_steps: int,
                     extra_state: dict[str, Any] | None = None,
-                    checkpoint_format: str = "torch_dist") -> None:
+                    checkpoint_format: str = "torch_dist", async_save: bool = False):
     """Write a checkpoint of this rank's shards (collective: every trainer rank calls it).
     `step` counts optimizer updates; at step 0 only the model (and counters) are saved.
-    `checkpoint_format` is Megatron's save backend (ckpt_format; torch_dist reshards on load)."""
+    `checkpoint_format` is Megatron's save backend (ckpt_format; torch_dist reshards on load).
+    `async_save` (CUDA only, `async_save_unavailable`): return Megatron's AsyncRequest once the
+    tensors are staged in host memory; the files are complete when an AsyncCallsQueue that
+    scheduled it has finalized it (collective). Otherwise None, with the files complete."""
     from megatron.core import dist_checkpointing
+
+    if async_save and (why := async_save_unavailable()):
+        raise RuntimeError(f"asynchronous checkpoint save requested, but {why}; set "
+                           "checkpoint.async_save to auto or never")
 
     if torch.distributed.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
@@ -63,11 +81,16 @@ def save_checkpoint(directory: str, model, optimizer, scheduler, *, layout: Para
                         # Pickled so that the driver's nested state round-trips as bytes.
                         "extra_state": pickle.dumps(extra_state or {})}
     state["rng"] = _rng_object(groups, _rng_state())
-    dist_checkpointing.save(
-        state, directory,
-        sharded_strategy=dist_checkpointing.serialization.get_default_save_sharded_strategy(
-            checkpoint_format))
+    strategy = dist_checkpointing.serialization.get_default_save_sharded_strategy(
+        checkpoint_format)
+    if async_save:
+        # "mcore": Megatron's own writer process. Its "nvrx" default needs
+        # nvidia-resiliency-ext >= 0.6 (the pinned 0.4.1 predates it: megatron_rl/_nvrx_compat.py).
+        return dist_checkpointing.save(state, directory, sharded_strategy=strategy,
+                                       async_sharded_save=True, async_strategy="mcore")
+    dist_checkpointing.save(state, directory, sharded_strategy=strategy)
     torch.distributed.barrier()
+    return None
 
 
 def load_checkpoint(directory: str, model, optimizer, scheduler, *, layout: ParallelLayout,

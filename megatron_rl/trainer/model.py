@@ -23,8 +23,10 @@ from megatron_rl.trainer.parallel import ParallelGroups, ParallelLayout
 
 PRECISIONS = ("fp32", "bf16")
 FP8_FORMATS = ("e4m3", "hybrid")
-# "current" is Transformer Engine's name for Megatron's per-tensor current scaling ("tensorwise").
-FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "tensorwise": "tensorwise"}
+# "current" is Transformer Engine's name for Megatron's per-tensor current scaling ("tensorwise");
+# "mxfp8" is Blackwell's block scaling, e4m3 everywhere (its block scales cover the gradients).
+FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "tensorwise": "tensorwise",
+               "mxfp8": "mxfp8"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,7 +71,8 @@ def precision_overrides(precision: str = "fp32", *, fp8_recipe: str | None = Non
         if precision != "bf16":
             raise ValueError("FP8 runs on top of bf16 parameters; set precision='bf16' "
                              "(model.params_dtype=bfloat16)")
-        overrides.update(fp8=fp8_format, fp8_recipe=FP8_RECIPES[fp8_recipe])
+        overrides.update(fp8="e4m3" if fp8_recipe == "mxfp8" else fp8_format,
+                         fp8_recipe=FP8_RECIPES[fp8_recipe])
     return PrecisionChoice(use_transformer_engine=te, overrides=overrides)
 
 
@@ -85,6 +88,28 @@ def rl_overrides(layout: ParallelLayout) -> dict[str, Any]:
         # Micro-batches have different padded shapes; pipeline stages exchange shapes first.
         "variable_seq_lengths": layout.pipeline_model_parallel_size > 1,
     }
+
+
+def check_context_parallel(layout: ParallelLayout, *, use_transformer_engine: bool) -> None:
+    """Context parallelism splits each sequence over CP ranks inside the attention kernel, which
+    only Transformer Engine's attention does (ring attention over CP); the local spec's
+    attention would silently attend within each rank's slice only."""
+    if layout.context_parallel_size > 1 and not use_transformer_engine:
+        raise ValueError(
+            f"parallelism.context_parallel_size={layout.context_parallel_size} needs Transformer "
+            "Engine attention on a GPU (model.use_transformer_engine=true); the local (CPU) "
+            "spec has no context-parallel attention: set parallelism.context_parallel_size=1 "
+            "here")
+
+
+def recompute_overrides(granularity: str) -> dict[str, Any]:
+    """TransformerConfig fields for train.recompute_granularity (none / selective / full)."""
+    if granularity == "none":
+        return {}
+    if granularity == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": 1}
 
 
 def cpu_overrides() -> dict[str, Any]:
@@ -111,8 +136,14 @@ def build_model(family, size: str, layout: ParallelLayout, groups: ParallelGroup
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
+    check_context_parallel(layout, use_transformer_engine=precision.use_transformer_engine)
     overrides = {**precision.overrides, **rl_overrides(layout), **cpu_overrides(),
                  **(config_overrides or {})}
+    if overrides.get("recompute_granularity") and not torch.cuda.is_available():
+        raise ValueError(
+            f"train.recompute_granularity={overrides['recompute_granularity']!r} needs a CUDA "
+            "GPU (Megatron's recompute saves and restores CUDA RNG states); set "
+            "train.recompute_granularity=none on CPU")
     config = family.transformer_config(
         size, use_transformer_engine=precision.use_transformer_engine, **overrides)
     if getattr(config, "use_mup", False):

@@ -28,10 +28,6 @@ class ParallelLayout:
                 raise ValueError(f"parallelism.{field} must be >= 1, got {getattr(self, field)}")
         if self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size < 1:
             raise ValueError("parallelism.expert_tensor_parallel_size must be >= 1 or None")
-        if self.context_parallel_size != 1:
-            raise NotImplementedError(
-                "parallelism.context_parallel_size > 1 is not supported by the RL trainer yet "
-                "(the loss path assumes whole sequences per rank); set it to 1")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("parallelism.sequence_parallel needs tensor_model_parallel_size > 1; "
                              "set sequence_parallel=False")

@@ -63,26 +63,46 @@ class ForwardBackwardResult:
     entropy_sum: float
     num_tokens: int
     abs_logp_diff_max: float = 0.0  # largest |logp_train - logp_gen| of any loss token
+    # Routing replay (trainer/routing_replay.py): (token, MoE layer) decisions counted and those
+    # where the trainer's own top-k differed from the generator's; 0 / 0 without a routing table.
+    num_routing_flips: int = 0
+    num_routing_decisions: int = 0
 
 
 def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: ParallelGroups,
                          denominators, settings: LossSettings, *, temperature: float,
-                         fp32_lm_head: bool = True,
-                         forward_only: bool = False) -> ForwardBackwardResult:
+                         fp32_lm_head: bool = True, forward_only: bool = False,
+                         routing_replay=None, replay_mode: str | None = None
+                         ) -> ForwardBackwardResult:
     """Forward (and backward) all micro-batches of this rank through Megatron's schedule.
     `temperature`: the one the rollouts were sampled at (rollout.temperature); required, since
     scoring at any other one silently biases every importance ratio. `fp32_lm_head`: the head's
-    logits GEMM in FP32 (False: in the params dtype, log-softmax still FP32)."""
+    logits GEMM in FP32 (False: in the params dtype, log-softmax still FP32). `routing_replay`
+    (trainer/routing_replay.RoutingReplay) with `replay_mode` "replay" or "observe" installs each
+    micro-batch's generator experts right before its forward; None: the routers route freely."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    replay = routing_replay if replay_mode is not None else None
     forward_step = functools.partial(_forward_step, groups=groups, denominators=denominators,
                                      settings=settings, temperature=temperature,
-                                     fp32_lm_head=fp32_lm_head)
+                                     fp32_lm_head=fp32_lm_head, routing_replay=replay,
+                                     replay_mode=replay_mode)
     first = micro_batches[0]
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
-        num_microbatches=len(micro_batches), seq_length=first.input_ids.shape[1],
-        micro_batch_size=first.input_ids.shape[0], forward_only=forward_only)
+    try:
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
+            num_microbatches=len(micro_batches), seq_length=first.input_ids.shape[1],
+            micro_batch_size=first.input_ids.shape[0], forward_only=forward_only)
+    finally:
+        if replay is not None:
+            replay.clear()
+    flips = torch.zeros(2, dtype=torch.float64)
+    if replay is not None:
+        count = replay.take_flip_count()
+        flips += torch.tensor([count.num_flips, count.num_decisions], dtype=torch.float64)
+        # Every (token, layer) decision lives on one rank: TP ranks hold different sequence
+        # slices, pipeline stages different layers, data-parallel ranks different tokens.
+        torch.distributed.all_reduce(flips)
     stats = torch.zeros(len(_STATS), dtype=torch.float64)
     largest = torch.zeros(1, dtype=torch.float64)
     for out in outputs:  # only the last pipeline stage has outputs
@@ -98,12 +118,15 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
         loss=values["loss"], num_loss_tokens=int(values["num_loss_tokens"]),
         num_clipped=values["num_clipped"], ratio_sum=values["ratio"],
         abs_logp_diff_sum=values["abs_logp_diff"], entropy_sum=values["entropy"],
-        num_tokens=int(values["num_tokens"]), abs_logp_diff_max=float(largest))
+        num_tokens=int(values["num_tokens"]), abs_logp_diff_max=float(largest),
+        num_routing_flips=int(flips[0]), num_routing_decisions=int(flips[1]))
 
 
 def _forward_step(data_iterator, model, *, groups, denominators, settings, temperature,
-                  fp32_lm_head=True):
+                  fp32_lm_head=True, routing_replay=None, replay_mode=None):
     micro_batch: MicroBatch = next(data_iterator)
+    if routing_replay is not None:
+        routing_replay.install(micro_batch, replay_mode)
     head = functools.partial(_fp32_logprob_head, groups=groups, settings=settings,
                              temperature=temperature, fp32_lm_head=fp32_lm_head)
     output = model(micro_batch.input_ids, micro_batch.position_ids, None,

@@ -17,7 +17,7 @@ import torch
 from megatron_rl.trainer.batch import (TrainBatch, pack_micro_batches, padding_micro_batch,
                                        shard_for_data_parallel)
 from megatron_rl.trainer.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
-from megatron_rl.trainer.model import build_model, precision_overrides
+from megatron_rl.trainer.model import build_model, precision_overrides, recompute_overrides
 from megatron_rl.trainer.optimizer import OptimizerSettings, build_optimizer
 from megatron_rl.trainer.parallel import ParallelLayout, init_parallel
 from megatron_rl.trainer.step import LossSettings, run_forward_backward
@@ -31,7 +31,7 @@ class TrainerSettings:
     model_size: str = "tiny"
     layout: ParallelLayout = ParallelLayout()
     precision: str = "bf16"  # fp32 | bf16
-    fp8_recipe: str | None = None  # None | "delayed" | "current" (Transformer Engine, GPU)
+    fp8_recipe: str | None = None  # None | "delayed" | "current" | "mxfp8" (TE, GPU)
     use_transformer_engine: bool | None = None  # None: whenever TE is available
     loss: LossSettings = LossSettings()
     # rollout.temperature: the head scores softmax(logits / T), the distribution the generator
@@ -40,6 +40,12 @@ class TrainerSettings:
     # model.fp32_lm_head: the head's logits GEMM in FP32 (SCALERL.md section 6); False is the
     # ablation, the GEMM in the params dtype with the log-softmax and entropy still in FP32.
     fp32_lm_head: bool = True
+    # rollout.routing_replay: MoE routers replay the generator's experts of batches that carry
+    # them (trainer/routing_replay.py); False: they route freely and only the flips are counted.
+    routing_replay: bool = True
+    # Also score each routed batch once WITHOUT replay (forward only, one more forward per step)
+    # for StepMetrics.logp_mismatch_without_replay; off by default (cost).
+    routing_replay_compare: bool = False
     optimizer: OptimizerSettings = OptimizerSettings()
     micro_batch_max_tokens: int = 16384
     seed: int = 1234
@@ -61,6 +67,7 @@ class TrainerSettings:
             use_transformer_engine=run.model.use_transformer_engine,
             temperature=run.rollout.temperature,
             fp32_lm_head=run.model.fp32_lm_head,
+            routing_replay=run.rollout.routing_replay,
             loss=LossSettings(
                 kind=algorithm.loss, aggregation=algorithm.aggregation,
                 eps_max=algorithm.eps_max,
@@ -75,7 +82,8 @@ class TrainerSettings:
                 use_distributed_optimizer=optim.use_distributed_optimizer),
             micro_batch_max_tokens=train.micro_batch_max_tokens, seed=run.seed,
             checkpoint_format=run.checkpoint.format,
-            config_overrides=config_overrides)
+            config_overrides={**recompute_overrides(train.recompute_granularity),
+                              **config_overrides})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +104,12 @@ class StepMetrics:
     learning_rate: float
     skipped: bool  # non-finite loss or gradient: no update
     num_skipped_steps: int  # cumulative
+    # Routing replay (MoE, batches carrying the generator's experts; NaN otherwise): fraction of
+    # (token, layer) decisions where the trainer's own router chose other experts than the
+    # generator (TensorBoard train/routing_flip_fraction), and with routing_replay_compare the
+    # mean |logp_train - logp_gen| the same weights give without replay.
+    routing_flip_fraction: float = math.nan
+    logp_mismatch_without_replay: float = math.nan
 
 
 class RLTrainer:
@@ -113,10 +127,20 @@ class RLTrainer:
         precision = precision_overrides(
             settings.precision, fp8_recipe=settings.fp8_recipe,
             use_transformer_engine=settings.use_transformer_engine)
+        overrides = dict(settings.config_overrides)
+        if settings.routing_replay:
+            overrides.setdefault("moe_enable_routing_replay", True)
         self.model, self.config = build_model(
             family, settings.model_size, settings.layout, self.groups, precision=precision,
             use_distributed_optimizer=settings.optimizer.use_distributed_optimizer,
-            config_overrides=settings.config_overrides)
+            config_overrides=overrides)
+        self.routing_replay = None
+        if self.config.num_moe_experts:
+            from megatron_rl.trainer.routing_replay import RoutingReplay
+
+            self.routing_replay = RoutingReplay(self.model, self.config,
+                                                tp_rank=self.groups.tp_rank,
+                                                tp_size=self.groups.tp_size)
         self.optimizer, self.scheduler = build_optimizer(
             [self.model], settings.optimizer, bf16=self.config.bf16,
             params_dtype=self.config.params_dtype)
@@ -130,6 +154,13 @@ class RLTrainer:
 
     def micro_batches(self, batch: TrainBatch) -> list:
         """This rank's micro-batches; every data-parallel rank gets the same number."""
+        if self.layout.context_parallel_size > 1:
+            # The model is built with CP (TE attention), but each CP rank must get its slices of
+            # the packed sequences (TE's THD partitioning) and the loss stats reduce over CP.
+            raise NotImplementedError(
+                "parallelism.context_parallel_size > 1: the split of packed micro-batches over "
+                "context-parallel ranks is not implemented yet; use CP 1 with "
+                "train.recompute_granularity=full (see `megatron-rl plan`)")
         indices = shard_for_data_parallel(batch, self.groups.dp_rank, self.groups.dp_size)
         micro_batches = pack_micro_batches(batch, indices,
                                            max_tokens=self.settings.micro_batch_max_tokens,
@@ -141,9 +172,39 @@ class RLTrainer:
                           for _ in range(int(count) - len(micro_batches))]
         return micro_batches
 
+    def replay_mode(self, batch: TrainBatch, replay: bool | None = None) -> str | None:
+        """How the routers treat `batch`: "replay" the generator's experts, "observe" (route
+        freely, count flips), or None (no MoE or no routing carried). `replay` None: the
+        settings' routing_replay."""
+        from megatron_rl.trainer.routing_replay import OBSERVE, REPLAY
+
+        if self.routing_replay is None or batch.routed_experts is None:
+            return None
+        return REPLAY if (self.settings.routing_replay if replay is None else replay) \
+            else OBSERVE
+
+    def score(self, batch: TrainBatch, *, replay: bool | None = None):
+        """Forward only (no update): the step's log-prob statistics against the generator's
+        (trainer/step.ForwardBackwardResult), with or without routing replay."""
+        from megatron_rl.algorithms import AggregationDenominators
+
+        denominators = AggregationDenominators.from_sample_token_counts(
+            batch.sample_num_loss_tokens(), batch.prompt_of_sample())
+        self.model.eval()
+        with torch.no_grad():
+            return run_forward_backward(
+                self.model, self.micro_batches(batch), self.groups, denominators,
+                self.settings.loss, temperature=self.settings.temperature,
+                fp32_lm_head=self.settings.fp32_lm_head, forward_only=True,
+                routing_replay=self.routing_replay, replay_mode=self.replay_mode(batch, replay))
+
     def train_step(self, batch: TrainBatch) -> StepMetrics:
         from megatron_rl.algorithms import AggregationDenominators
 
+        without_replay = math.nan
+        if self.settings.routing_replay_compare and self.replay_mode(batch) is not None:
+            free = self.score(batch, replay=False)
+            without_replay = free.abs_logp_diff_sum / max(free.num_loss_tokens, 1)
         denominators = AggregationDenominators.from_sample_token_counts(
             batch.sample_num_loss_tokens(), batch.prompt_of_sample())
         micro_batches = self.micro_batches(batch)
@@ -152,7 +213,9 @@ class RLTrainer:
         self.optimizer.zero_grad()
         result = run_forward_backward(self.model, micro_batches, self.groups, denominators,
                                       self.settings.loss, temperature=self.settings.temperature,
-                                      fp32_lm_head=self.settings.fp32_lm_head)
+                                      fp32_lm_head=self.settings.fp32_lm_head,
+                                      routing_replay=self.routing_replay,
+                                      replay_mode=self.replay_mode(batch))
         finite = math.isfinite(result.loss) and self._grads_finite()
         grad_norm = math.nan
         if finite:
@@ -175,7 +238,10 @@ class RLTrainer:
             num_loss_tokens=result.num_loss_tokens, num_tokens=result.num_tokens,
             num_micro_batches=len(micro_batches),
             learning_rate=self.optimizer.param_groups[0]["lr"], skipped=not finite,
-            num_skipped_steps=self.num_skipped_steps)
+            num_skipped_steps=self.num_skipped_steps,
+            routing_flip_fraction=(result.num_routing_flips / result.num_routing_decisions
+                                   if result.num_routing_decisions else math.nan),
+            logp_mismatch_without_replay=without_replay)
 
     def _grads_finite(self) -> bool:
         """All ranks agree whether any gradient (any bucket, any rank) is NaN or inf."""
@@ -186,11 +252,33 @@ class RLTrainer:
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return not bool(bad.item())
 
-    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None) -> None:
-        save_checkpoint(directory, self.model, self.optimizer, self.scheduler, layout=self.layout,
-                        groups=self.groups, step=self.step,
-                        num_skipped_steps=self.num_skipped_steps, extra_state=extra_state,
-                        checkpoint_format=self.settings.checkpoint_format)
+    def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None, *,
+                        async_save: bool = False) -> bool:
+        """Collective. `async_save` (CUDA only): return once the tensors are staged, the files
+        being written in the background until `finalize_checkpoints` says they are complete.
+        Returns whether the save is asynchronous."""
+        request = save_checkpoint(
+            directory, self.model, self.optimizer, self.scheduler, layout=self.layout,
+            groups=self.groups, step=self.step, num_skipped_steps=self.num_skipped_steps,
+            extra_state=extra_state, checkpoint_format=self.settings.checkpoint_format,
+            async_save=async_save)
+        if request is None:
+            return False
+        if getattr(self, "_async_saves", None) is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_saves = AsyncCallsQueue()
+        self._async_saves.schedule_async_request(request)
+        return True
+
+    def finalize_checkpoints(self, *, blocking: bool) -> bool:
+        """Finish the asynchronous saves whose writes are done on every rank (collective; with
+        `blocking`, wait for all). Returns whether none is left in flight."""
+        queue = getattr(self, "_async_saves", None)
+        if queue is None:
+            return True
+        queue.maybe_finalize_async_calls(blocking=blocking)
+        return queue.get_num_unfinalized_calls() == 0
 
     def load_model_weights(self, directory: str) -> None:
         """Start from the weights of a converted (HF -> Megatron, megatron_rl.convert) or

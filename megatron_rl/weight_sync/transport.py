@@ -4,6 +4,9 @@
   generator rank joins (`init_weights_update_group`; gloo on CPU, NCCL on GPU). Per bucket it asks
   each generator to receive (`update_weights_from_distributed`, load format "flattened_bucket":
   the request blocks in the generator until the bytes arrive) and broadcasts the bucket once.
+  A generator of several ranks (`Generator.num_ranks`, SGLang's tp_size; expert parallelism
+  splits the same ranks) takes that many consecutive ranks of the group (SGLang: rank_offset +
+  tp_rank); every one of them receives the full HF tensors and its weight loaders keep its shard.
 - `TensorTransport` (colocated fallback): hands the tensors over in memory
   (`update_weights_from_tensor`).
 - `DiskTransport` (last resort): writes an HF folder (safetensors + config) and asks the

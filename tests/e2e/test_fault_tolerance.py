@@ -8,6 +8,9 @@ Checked against independent references: the uninterrupted run (the same recipe, 
 the resumed one: the data each step trained on (ledger digests of tokens, log-probs, versions,
 rewards), every training metric and the final model and optimizer tensors are bit-identical; the
 ledger of the chaos run for no lost or duplicated group; the process table for orphans.
+The reward workers the chaos test kills are the driver's math-verify processes (the run grades
+math prompts); a reward function running in the driver itself (reasoning-gym's scorers) cannot
+hang apart from the driver.
 """
 import json
 import os
@@ -143,17 +146,40 @@ def test_resume_after_a_crash_and_a_graceful_stop_is_bit_identical(tmp_path):
     assert not different, different[:5]
 
 
-def test_chaos_generators_and_trainer_die_and_hang_nothing_is_lost(tmp_path):
-    """Pipeline-RL (k = 2) with two generators, 8 steps. Faults, in order: generator-0's server
-    is SIGKILLed mid-generation; generator-1's server is SIGSTOPped (hung); step 3's loss is NaN;
-    the trainer rank is SIGKILLed. The run recovers from each (restarts the generators and
-    re-syncs them; restores the trainer from its last checkpoint), reaches step 8, and its
-    ledger has every group id exactly once (no sample lost, none trained twice)."""
+def _math_prompts(path, n=64):
+    """Arithmetic as "math" prompts (graded by math-verify in the driver's worker processes, the
+    reward workers the chaos test kills and stops)."""
+    from megatron_rl.data import PromptRecord, save_prompts
+
+    save_prompts([PromptRecord(prompt_id=f"sum/{i}", task="math", answer=str(i + 7 * i % 11),
+                               prompt=f"What is {i} + {7 * i % 11}? Think, then give the answer "
+                                      "after </think>.") for i in range(n)], path)
+    return path
+
+
+def _math_worker(driver_pid, not_pid=None):
+    """The pid of the driver's math-verify worker (other than `not_pid`), or None."""
+    import psutil
+
+    return next((p.pid for p in psutil.Process(driver_pid).children(recursive=True)
+                 if "megatron_rl.rewards.math_worker" in " ".join(p.cmdline())
+                 and p.pid != not_pid), None)
+
+
+def test_chaos_generators_trainer_and_reward_workers_die_and_hang_nothing_is_lost(tmp_path):
+    """Pipeline-RL (k = 2) with two generators, 8 steps, math prompts graded by math-verify
+    workers. Faults, in order: generator-0's server is SIGKILLed mid-generation and the reward
+    worker is SIGKILLed; generator-1's server is SIGSTOPped (hung) and the fresh reward worker is
+    SIGSTOPped (hung); step 3's loss is NaN; the trainer rank is SIGKILLed. The run recovers from
+    each (restarts the generators and re-syncs them; scores the samples again with a fresh
+    reward worker; restores the trainer from its last checkpoint), reaches step 8, and its ledger
+    has every group id exactly once (no sample lost, none trained twice)."""
     from megatron_rl.resilience.ledger import check_ledger
 
     model = tiny_llama_checkpoint(tmp_path / "tiny_llama")
     out = tmp_path / "run"
-    proc = _start([f"model.hf_checkpoint={model}", f"output_dir={out}",
+    prompts = _math_prompts(tmp_path / "sums.jsonl")
+    proc = _start([f"model.hf_checkpoint={model}", f"output_dir={out}", f"data.prompts={prompts}",
                    "rollout.num_generators=2", "rollout.health_check_interval_s=2",
                    "cluster.num_cpus=3",  # 2 generators + 1 trainer rank on a 2-core machine
                    "train.num_steps=8", "checkpoint.interval_steps=2", "checkpoint.keep_last=2",
@@ -169,36 +195,53 @@ def test_chaos_generators_and_trainer_die_and_hang_nothing_is_lost(tmp_path):
     def step_reached(n):
         return lambda: bool(_steps(out)) and max(_steps(out)) >= n
 
+    def of_kind(kind):
+        return [f for f in faults() if f["kind"] == kind]
+
     injected = {}
     _wait_for(step_reached(1), proc, "step 1")
     os.kill(processes()["generators"][0]["pid"], signal.SIGKILL)
-    injected["generator SIGKILL"] = time.time()
-    _wait_for(lambda: len(faults()) >= 1 and max(_steps(out)) >= 3, proc, "generator-0 back")
+    injected["generator SIGKILL"] = ("generator", 0, time.time())
+    _wait_for(lambda: _math_worker(proc.pid), proc, "a reward worker")
+    reward_worker = _math_worker(proc.pid)
+    os.kill(reward_worker, signal.SIGKILL)
+    injected["reward worker SIGKILL"] = ("reward_worker", 0, time.time())
+    _wait_for(lambda: of_kind("generator") and max(_steps(out)) >= 3, proc, "generator-0 back")
     os.killpg(processes()["generators"][1]["pid"], signal.SIGSTOP)
-    injected["generator SIGSTOP"] = time.time()
-    _wait_for(lambda: len(faults()) >= 2 and max(_steps(out)) >= 5, proc, "generator-1 back")
+    injected["generator SIGSTOP"] = ("generator", 1, time.time())
+    _wait_for(lambda: _math_worker(proc.pid, not_pid=reward_worker), proc, "a new reward worker")
+    os.kill(_math_worker(proc.pid, not_pid=reward_worker), signal.SIGSTOP)
+    injected["reward worker SIGSTOP"] = ("reward_worker", 1, time.time())
+    _wait_for(lambda: len(of_kind("generator")) >= 2 and max(_steps(out)) >= 5, proc,
+              "generator-1 back")
     os.kill(processes()["trainer_ranks"][0]["pid"], signal.SIGKILL)
-    injected["trainer SIGKILL"] = time.time()
+    injected["trainer SIGKILL"] = ("trainer", 0, time.time())
     rc, output = _finish(proc)
     assert rc == 0, output[-6000:]
 
     records = _jsonl(out / "ledger.jsonl")
     assert _steps(out) == list(range(1, 9))  # steps redone after the restore replaced theirs
     assert check_ledger(records) == {"lost": [], "duplicated": []}
-    recovered = faults()
-    assert [f["kind"] for f in recovered] == ["generator", "generator", "trainer"], recovered
-    assert all(f["recovered_at"] >= f["detected_at"] for f in recovered)
-    assert recovered[0]["what"].startswith("generator 'generator-0'")
-    assert "generator 'generator-1'" in recovered[1]["what"]
+    generators, trainers, rewards = of_kind("generator"), of_kind("trainer"), \
+        of_kind("reward_worker")
+    assert (len(generators), len(trainers), len(rewards)) == (2, 1, 2), faults()
+    assert all(f["recovered_at"] >= f["detected_at"] for f in faults())
+    assert generators[0]["what"].startswith("generator 'generator-0'")
+    assert "generator 'generator-1'" in generators[1]["what"]
+    assert f"pid {reward_worker}" in rewards[0]["what"] and "died" in rewards[0]["what"]
+    assert "hung (process state T" in rewards[1]["what"]
     # Restored to the newest checkpoint before the kill (every 2 steps; step 4 unless the
     # machine was slow enough for step 6's to be written first).
-    assert recovered[2]["restored_step"] in (4, 6) and recovered[2]["steps_lost"] >= 0
+    assert trainers[0]["restored_step"] in (4, 6) and trainers[0]["steps_lost"] >= 0
     metrics = scalars(out / "tensorboard")
     assert metrics["train/skipped"][3] == 1.0 and metrics["train/skipped"][8] == 0.0
+    # The samples of the dead and the hung reward worker were scored again: none went unscored.
+    assert set(metrics["verifier/failure_fraction"].values()) == {0.0}
     assert not _no_orphans(model, proc.pid)
     # The figures of the fault-tolerance report (docs/fault_tolerance.md): -s shows them.
     print("\nfault | detection s | recovery s | requeued groups | steps lost")
-    for (what, at), fault in zip(injected.items(), recovered):
+    for what, (kind, index, at) in injected.items():
+        fault = of_kind(kind)[index]
         print(f"{what} | {fault['detected_at'] - at:.1f} | "
               f"{fault['recovered_at'] - fault['detected_at']:.1f} | "
               f"{fault.get('requeued_groups', '-')} | {fault['steps_lost']}")

@@ -21,9 +21,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
-from _weight_sync_worker import max_abs_diff, sampled_batch, trainer_logprobs  # noqa: E402
+from _weight_sync_worker import (max_abs_diff, trainer_logprobs,  # noqa: E402
+                                 train_on_generator_samples)
 
-from megatron_rl.rollout import (GenerationResult, SamplingParams, SGLangGenerator,  # noqa: E402
+from megatron_rl.rollout import (SamplingParams, SGLangGenerator,  # noqa: E402
                                  wait_for_health)
 from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
                                  RLTrainer, TrainerSettings)
@@ -85,20 +86,7 @@ def transformers_greedy(model, prompts, max_new_tokens: int) -> list[list[int]]:
 
 
 def change_weights_by_a_train_step(trainer: RLTrainer, generator, rank: int) -> dict:
-    """One RL step on generator samples (rank 0 samples, every rank trains on the same batch)."""
-    payload = None
-    if rank == 0:
-        sampled = generator.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0,
-                                                             num_samples=2, seed=3))
-        payload = [(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs),
-                    r.prompt_index, r.sample_index) for r in sampled]
-    shared = [payload]
-    torch.distributed.broadcast_object_list(shared, src=0)
-    sampled = [GenerationResult(prompt_index=p, sample_index=k, prompt_token_ids=tuple(pr),
-                                token_ids=tuple(c), logprobs=tuple(lp), versions=(1,) * len(c),
-                                finish_reason="length") for pr, c, lp, p, k in shared[0]]
-    metrics = trainer.train_step(sampled_batch(sampled))
-    return {"step_logp_mismatch": metrics.logp_mismatch, "step_skipped": metrics.skipped}
+    return train_on_generator_samples(trainer, generator, rank, PROMPTS)
 
 
 def main() -> None:

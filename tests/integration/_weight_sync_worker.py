@@ -105,6 +105,26 @@ def sampled_batch(results) -> TrainBatch:
                       sample_ids=torch.arange(n))
 
 
+def train_on_generator_samples(trainer, generator, rank: int, prompts) -> dict:
+    """One RL step on generator samples of `prompts` (rank 0 samples, every rank trains on the
+    same batch) -> the step's log-prob mismatch and whether it was skipped."""
+    from megatron_rl.rollout import GenerationResult
+
+    payload = None
+    if rank == 0:
+        sampled = generator.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0,
+                                                             num_samples=2, seed=3))
+        payload = [(list(r.prompt_token_ids), list(r.token_ids), list(r.logprobs),
+                    r.prompt_index, r.sample_index) for r in sampled]
+    shared = [payload]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    sampled = [GenerationResult(prompt_index=p, sample_index=k, prompt_token_ids=tuple(pr),
+                                token_ids=tuple(c), logprobs=tuple(lp), versions=(1,) * len(c),
+                                finish_reason="length") for pr, c, lp, p, k in shared[0]]
+    metrics = trainer.train_step(sampled_batch(sampled))
+    return {"step_logp_mismatch": metrics.logp_mismatch, "step_skipped": metrics.skipped}
+
+
 def max_abs_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 

@@ -72,7 +72,9 @@ class SharedServer:
         if not model_dir.exists():
             self._save_model(model_dir)
         self.server = SGLangServer.launch(SGLangServerSettings(
-            model_path=str(model_dir), dtype="float32", mem_fraction_static=0.05,
+            # 0.001 leaves SGLang's memory profile no room: the server starts only through
+            # platform/sglang_cpu.py fix 11 (the KV cache is max_total_tokens).
+            model_path=str(model_dir), dtype="float32", mem_fraction_static=0.001,
             max_total_tokens=8192, startup_timeout_s=300, request_timeout_s=240,
             log_path=str(self._directory / "server.log")))
         self._launch_scores = self._client().score(PROBE_SEQUENCES)

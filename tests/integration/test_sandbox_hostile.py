@@ -245,23 +245,34 @@ def test_seccomp_fallback_contains_fork_bombs_too():
 
 # --- 1. function-call tests cannot be faked -------------------------------------------------------
 # Each hack is one or two lines a policy could find; all of them scored `correct` before the
-# expected values left the sandbox. HumanEval/13 has plain asserts (compared on the host),
-# HumanEval/2 does not (`abs(candidate(x) - y) < 1e-6`: the sandbox's separate checker).
+# expected values left the sandbox. HumanEval/13 has plain asserts and HumanEval/2 tolerance
+# asserts (`abs(candidate(x) - y) < 1e-6`), both compared on the host; HumanEval/44's loop runs
+# in the sandbox's separate checker.
 GCD = "def greatest_common_divisor(a, b):\n    return 0\n"  # wrong for every test
 TRUNCATE = "def truncate_number(number):\n    return 0.0\n"
+CHANGE_BASE = "def change_base(x, base):\n    return ''\n"
 HACKS = {
     "__eq__ always true": ("class Anything:\n    def __eq__(self, other):\n        return True\n"
                            "    def __sub__(self, other):\n        return 0\n"
                            "    __rsub__ = __sub__\n"
                            "def greatest_common_divisor(a, b):\n    return Anything()\n"
-                           "def truncate_number(number):\n    return Anything()\n"),
+                           "def truncate_number(number):\n    return Anything()\n"
+                           "def change_base(x, base):\n    return Anything()\n"),
     "int subclass": ("class Yes(int):\n    def __eq__(self, other):\n        return True\n"
                      "    __hash__ = int.__hash__\n"
-                     "def greatest_common_divisor(a, b):\n    return Yes(0)\n"),
-    "patched compile": (GCD + TRUNCATE + "import builtins\n_compile = builtins.compile\n"
+                     "def greatest_common_divisor(a, b):\n    return Yes(0)\n"
+                     "class Near(float):\n    def __sub__(self, other):\n        return 0.0\n"
+                     "def truncate_number(number):\n    return Near(0)\n"
+                     "class Same(str):\n    def __eq__(self, other):\n        return True\n"
+                     "    __hash__ = str.__hash__\n"
+                     "def change_base(x, base):\n    return Same()\n"),
+    "patched compile": (GCD + TRUNCATE + CHANGE_BASE + "import builtins\n"
+                        "_compile = builtins.compile\n"
                         "builtins.compile = lambda s, f, m, *a, **k: _compile('pass', f, m)\n"),
-    "patched exec": (GCD + TRUNCATE + "import builtins\nbuiltins.exec = lambda *a, **k: None\n"),
-    "forged pass records": (GCD + TRUNCATE + "import os\nfor fd in range(3, 64):\n    try:\n"
+    "patched exec": (GCD + TRUNCATE + CHANGE_BASE
+                     + "import builtins\nbuiltins.exec = lambda *a, **k: None\n"),
+    "forged pass records": (GCD + TRUNCATE + CHANGE_BASE
+                            + "import os\nfor fd in range(3, 64):\n    try:\n"
                             "        os.write(fd, f'T 0 1 -\\nT [0, true, \"\"]\\n"
                             "D {os.getpid()}\\n"
                             "D null\\n'.encode())\n    except OSError:\n        pass\n"
@@ -276,17 +287,39 @@ HACKS = {
         "def greatest_common_divisor(a, b):\n"
         "    import re\n"
         "    m = re.search(rf'candidate\\({a}, {b}\\) == (\\d+)', _expected())\n"
-        "    return int(m.group(1)) if m else 0\n"),
+        "    return int(m.group(1)) if m else 0\n" + CHANGE_BASE),
 }
 
 
-@pytest.mark.parametrize("task_id", ["HumanEval/13", "HumanEval/2"])
+@pytest.mark.parametrize("task_id", ["HumanEval/13", "HumanEval/2", "HumanEval/44"])
 @pytest.mark.parametrize("hack", sorted(HACKS))
 def test_function_tests_cannot_be_faked(sandbox, task_id, hack):
     tests = humaneval_prompts([task_id])[0].tests
     report = run_code_tests(HACKS[hack], tests, sandbox, limits=ROOMY)
     assert report.reason != Reason.CORRECT and report.pass_fraction == 0.0
     assert report.reason not in VERIFIER_FAILURES  # the program's doing, never "ours"
+
+
+@pytest.mark.parametrize("value", [
+    "float('nan')", "float('inf')", "-float('inf')", "True", "complex(0.5)", "[0.5]", "(0.5,)",
+    "10 ** 400", "'0.5'", "None",
+])
+def test_tolerance_asserts_take_only_numbers_near_the_answer(sandbox, value):
+    """`abs(candidate(x) - y) < 1e-6` and `math.isclose`, compared on the host: NaN,
+    infinities, bools, containers, huge ints and strings are wrong answers; the right floats
+    pass (HumanEval/2 too)."""
+    humaneval = humaneval_prompts(["HumanEval/2"])[0].tests
+    tolerance = ("def check(candidate):\n    assert abs(candidate(1.33) - 0.33) < 1e-6\n"
+                 "check(truncate_number)",
+                 "import math\nassert math.isclose(truncate_number(1.5), 0.5, abs_tol=1e-9)")
+    tests = dataclasses.replace(humaneval,
+                                function_calls=humaneval.function_calls + tolerance)
+    program = f"def truncate_number(number):\n    return {value}\n"
+    report = run_code_tests(program, tests, sandbox, limits=ROOMY)
+    assert (report.reason, report.pass_fraction) == (Reason.WRONG, 0.0), report.detail
+    right = run_code_tests("def truncate_number(number):\n    return number % 1.0\n", tests,
+                           sandbox, limits=ROOMY)
+    assert right.reason == Reason.CORRECT
 
 
 def test_right_answers_still_pass_both_ways(sandbox):
@@ -351,6 +384,29 @@ for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, 
         program = (f"import os, signal\ndef f(x):\n    return x\nos.kill(-1, signal.{sig})\n")
         result = sandbox.run(program, tests=("assert f(1) + 0 == 1",))
         assert result.test_passed == (False,) and result.status != "sandbox_error"
+
+
+def test_interrupting_the_checker_is_the_programs_failure(sandbox):
+    """SIGINT sent to every process of the run while the checker works: the tests fail as the
+    program's runtime_error, never "the checker failed" (a sandbox_error, no verdict)."""
+    program = """
+import os, signal, threading
+def f(x):
+    return x
+def interrupt():
+    while True:
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+            if pid != os.getpid():
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except OSError:
+                    pass
+threading.Thread(target=interrupt, daemon=True).start()
+"""
+    tests = tuple("for i in range(100):\n    assert f(i) == i\n" for _ in range(3))
+    for _ in range(3):  # the interrupt lands at a different point each time
+        result = sandbox.run(program, tests=tests, limits=ROOMY)
+        assert result.status != "sandbox_error" and not any(result.test_passed), result.detail
 
 
 def test_huge_and_deep_return_values_are_wrong_answers(sandbox):

@@ -77,18 +77,34 @@ def test_pathological_power_times_out_and_the_verifier_recovers():
         assert len(_worker_pids()) == 1
 
 
-def test_hard_timeout_kills_an_unresponsive_worker():
-    """A worker that no signal reaches (stopped here; stuck in C or deadlocked in production)
-    is killed after timeout_s + grace and replaced."""
+def test_a_hung_worker_is_killed_and_is_a_verifier_failure():
+    """A worker that no signal reaches and that is not computing (stopped here; deadlocked in
+    production) is killed after timeout_s + grace and replaced. Its hang says nothing about the
+    answer: no reward (verifier_error), and the registry's retry grades it with a fresh worker;
+    one fault record, recovered once the fresh worker answered. (A worker stuck computing in C is
+    a timeout: test_pathological_power_times_out_and_the_verifier_recovers.)"""
+    record = PromptRecord(prompt_id="m", task="math", prompt="2 + 2?", answer="4")
     with MathVerifier(MathVerifyConfig(timeout_s=0.5)) as verifier:
+        registry = RewardRegistry()
+        registry.register("math", lambda c, r: verifier.grade(c, r.answer), requires=("answer",))
         assert verifier.grade("</think> $3$", "3").reason == Reason.CORRECT
         (worker,) = _worker_pids()
         psutil.Process(worker).suspend()  # SIGSTOP: its soft timeout can never fire
-        stuck = verifier.grade("</think> $4$", "4")
-        assert stuck.reason == Reason.TIMEOUT and "killed" in stuck.detail
+        (stuck,) = registry.score_many(["</think> $4$"], [record], retries=0)
+        assert stuck.reason == Reason.VERIFIER_ERROR and "hung (process state T" in stuck.detail
         assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
-        assert verifier.grade("</think> $5$", "5").reason == Reason.CORRECT
+        assert verifier.take_faults() == []  # detected; no fresh worker has answered yet
+
+        assert verifier.grade("</think> $3$", "3").reason == Reason.CORRECT
+        (worker,) = _worker_pids()
+        psutil.Process(worker).suspend()
+        (retried,) = registry.score_many(["</think> $4$"], [record])  # retries=1
+        assert (retried.reason, retried.reward) == (Reason.CORRECT, 1.0)
         assert len(_worker_pids()) == 1 and worker not in _worker_pids()  # a fresh worker
+        faults = verifier.take_faults()
+        assert [f["kind"] for f in faults] == ["reward_worker"] * 2
+        assert all("hung" in f["what"] and f["recovered_at"] > f["detected_at"] for f in faults)
+        assert verifier.take_faults() == []
 
 
 def _kill(pid: int) -> None:
@@ -116,3 +132,5 @@ def test_a_dead_worker_is_a_verifier_failure_and_the_retry_gets_a_fresh_one():
         (retried,) = registry.score_many(["</think> $4$"], [record])  # retries=1
         assert (retried.reward, retried.reason) == (1.0, Reason.CORRECT)
         assert len(_worker_pids()) == 1 and not {first, second} & _worker_pids()
+        assert [f"pid {first}" in f["what"] and "died" in f["what"]
+                for f in verifier.take_faults()] == [True, False]

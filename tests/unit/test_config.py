@@ -150,7 +150,7 @@ def test_derived_parallel_sizes_and_paths():
     (["algorithm.loss=cipso"], ["algorithm.loss", "'cispo', 'dapo', 'grpo', 'gspo'",
                                 "did you mean 'cispo'"]),
     (["algorithm.aggregation=batch"], ["algorithm.aggregation", "'prompt', 'sample', 'token'"]),
-    (["model.fp8=e4m3"], ["model.fp8", "'delayed', 'current' or null"]),
+    (["model.fp8=e4m3"], ["model.fp8", "'delayed', 'current', 'mxfp8' or null"]),
     (["rollout.attention_backend=torch_natve"], ["rollout.attention_backend",
                                                  "did you mean 'torch_native'"]),
     # out-of-range and inconsistent values

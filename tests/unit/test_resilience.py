@@ -5,6 +5,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from megatron_rl.resilience import checkpoint as ckpt
 from megatron_rl.resilience import faults
@@ -100,3 +101,16 @@ def test_fault_injection_is_off_by_default_and_parses_kind_at_step(monkeypatch):
     monkeypatch.setenv(faults.ENV, "nan_loss@x")
     with pytest.raises(ValueError, match="KIND@STEP"):
         faults.planned("nan_loss", 3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer of the capability check")
+def test_asynchronous_save_is_refused_without_cuda_with_the_reason():
+    """Megatron's async writer stages tensors with torch.cuda.synchronize(): on CPU
+    checkpoint.async_save=auto saves synchronously, and always is an error naming the fix."""
+    from megatron_rl.trainer.checkpoint import async_save_unavailable, save_checkpoint
+
+    assert "needs CUDA" in async_save_unavailable()
+    with pytest.raises(RuntimeError, match="needs CUDA; set checkpoint.async_save to auto or "
+                                           "never"):
+        save_checkpoint("unused", None, None, None, layout=None, groups=None, step=1,
+                        num_skipped_steps=0, async_save=True)

@@ -136,3 +136,21 @@ def test_a_sandbox_that_cannot_isolate_still_raises():
     registry.register("code", unavailable)
     with pytest.raises(SandboxUnavailableError, match="refused"):
         registry.score_many(["x"], [_record("code")])
+
+
+def test_sandbox_isolation_comes_from_the_run_config():
+    """algorithm.sandbox_isolation is the run's opt-in to the seccomp fallback; its values are
+    the sandbox's own."""
+    import typing
+
+    from megatron_rl.config import AlgorithmConfig, ConfigError, load_config
+    from megatron_rl.rewards.sandbox import ISOLATIONS, SandboxConfig
+
+    hint = typing.get_type_hints(AlgorithmConfig)["sandbox_isolation"]
+    assert typing.get_args(hint) == ISOLATIONS
+    assert SandboxConfig.from_run_config(load_config(None)).isolation == "namespaces"
+    run = load_config(None, ["algorithm.sandbox_isolation=auto"])
+    config = SandboxConfig.from_run_config(run, num_workers=3)
+    assert (config.isolation, config.num_workers) == ("auto", 3)
+    with pytest.raises(ConfigError, match="algorithm.sandbox_isolation"):
+        load_config(None, ["algorithm.sandbox_isolation=none"])

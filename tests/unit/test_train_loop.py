@@ -1,6 +1,11 @@
 """The driver's per-step decisions after an optimizer step (megatron_rl/train.py `after_step`):
-validation and checkpoint intervals, and the stop after too many skipped steps in a row. The run
-is a recording stand-in (control logic only; the whole loop runs in tests/e2e)."""
+validation and checkpoint intervals, and the stop after too many skipped steps in a row; and the
+commit of a run checkpoint whose trainer shards are written asynchronously (RunSetup's
+save_checkpoint / commit_checkpoint). The run and the trainer group are recording stand-ins
+(control logic only; the whole loop runs in tests/e2e, real checkpoints in test_resilience.py)."""
+import pickle
+from pathlib import Path
+
 import pytest
 
 from megatron_rl.config import load_config
@@ -17,8 +22,11 @@ class RecordingRun:
     def validate(self, step):
         self.calls.append(("validate", step))
 
-    def save_checkpoint(self, step):
-        self.calls.append(("checkpoint", step))
+    def save_checkpoint(self, step, *, wait=False):
+        self.calls.append(("checkpoint", step) if not wait else ("checkpoint, wait", step))
+
+    def commit_checkpoint(self, *, blocking):
+        assert not blocking  # after a step: commit only what is complete, never wait
 
 
 def _cfg(*overrides):
@@ -29,7 +37,7 @@ def _cfg(*overrides):
 
 @pytest.mark.parametrize("step, expected", [
     (1, []), (3, [("validate", 3)]), (4, [("checkpoint", 4)]),
-    (10, [("validate", 10)]),  # the last step is always validated
+    (10, [("validate", 10), ("checkpoint", 10)]),  # the last step: always both
     (12, [("validate", 12), ("checkpoint", 12)]),
 ])
 def test_validation_and_checkpoint_intervals(step, expected):
@@ -43,6 +51,82 @@ def test_too_many_skipped_steps_stop_the_run_with_a_checkpoint_naming_the_step()
     with pytest.raises(RunStoppedError, match=r"2 optimizer steps in a row were skipped .* "
                                               r"the last at step 5 .*step_000005 was written"):
         after_step(run, _cfg(), skipped_in_a_row=2)
-    assert run.calls == [("checkpoint", 5)]
+    assert run.calls == [("checkpoint, wait", 5)]  # committed before the run stops
     after_step(RecordingRun(5), _cfg("train.max_consecutive_skipped_steps=0"),
                skipped_in_a_row=50)  # 0: never stop
+
+
+class RecordingTrainers:
+    """Stand-in for the trainer group: an asynchronous save writes its shard file at once and is
+    "complete" when the test says so (`done`), as Megatron's finalize would report."""
+
+    def __init__(self):
+        self.done = False
+        self.calls = []
+
+    def save_checkpoint(self, directory, extra_state, *, async_save):
+        Path(directory).mkdir()
+        (Path(directory) / "shard.distcp").write_bytes(pickle.dumps(extra_state))
+        self.calls.append(("save", extra_state["step"], async_save))
+        return True
+
+    def finalize_checkpoints(self, *, blocking):
+        self.calls.append(("finalize", blocking))
+        return self.done or blocking
+
+
+class _Writer:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, step))
+
+
+def _bare_run(tmp_path, trainers):
+    from megatron_rl.run_setup import RunSetup
+
+    run = object.__new__(RunSetup)  # only what save/commit_checkpoint use
+    run.cfg = _cfg("checkpoint.async_save=always", "checkpoint.keep_last=2",
+                   f"output_dir={tmp_path}")
+    run.out, run.checkpoint_root, run.version = tmp_path, tmp_path / "checkpoints", 7
+    run.trainers, run.writer = trainers, _Writer()
+    run.last_checkpoint_step, run._pending_checkpoint = None, None
+    run._checkpoint_blocked_s, run._async_save_explained = 0.0, False
+    run._trainer_call = lambda call: call()
+    run._call, run._async = (lambda x: x), (lambda f: f())
+    run._driver_state = lambda: {"step": run.last_checkpoint_step}
+    return run
+
+
+def test_an_asynchronous_checkpoint_is_committed_only_once_its_shards_are_complete(tmp_path):
+    from megatron_rl.resilience import checkpoint as run_checkpoint
+
+    trainers = RecordingTrainers()
+    run = _bare_run(tmp_path, trainers)
+    root = run.checkpoint_root
+
+    def names():
+        return sorted(p.name for p in root.iterdir())
+
+    run.save_checkpoint(2)
+    assert names() == [".step_000002.partial"] and run.last_checkpoint_step is None
+    run.commit_checkpoint(blocking=False)  # still being written
+    assert names() == [".step_000002.partial"]
+    trainers.done = True
+    run.commit_checkpoint(blocking=False)
+    assert names() == ["step_000002"] and run.last_checkpoint_step == 2
+    assert run_checkpoint.verify(root / "step_000002")  # manifest over the finished shards
+    run.commit_checkpoint(blocking=True)  # nothing pending: no trainer call
+    assert trainers.calls == [("save", 2, "always"), ("finalize", False), ("finalize", False)]
+
+    trainers.done = False
+    run.save_checkpoint(4)
+    run.save_checkpoint(6)  # step 4's commit first (waiting for its writer), then step 6 staged
+    assert names() == [".step_000006.partial", "step_000002", "step_000004"]
+    run.save_checkpoint(8, wait=True)  # e.g. a graceful stop: committed before it returns
+    assert names() == ["step_000006", "step_000008"]  # keep_last=2
+    assert trainers.calls[3:] == [("save", 4, "always"), ("finalize", True), ("save", 6, "always"),
+                                  ("finalize", True), ("save", 8, "always"), ("finalize", True)]
+    assert [s for s in run.writer.scalars] == [("perf/checkpoint_blocked_seconds", n)
+                                               for n in (2, 4, 6, 8)]

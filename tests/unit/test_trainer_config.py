@@ -62,8 +62,14 @@ def test_parallel_layout_checks():
         ParallelLayout(tensor_model_parallel_size=4).data_parallel_size(6)
     with pytest.raises(ValueError, match="sequence_parallel"):
         ParallelLayout(sequence_parallel=True)
-    with pytest.raises(NotImplementedError, match="context_parallel_size"):
-        ParallelLayout(context_parallel_size=2)
+    # CP builds only with Transformer Engine attention (GPU); on the local spec it is an error.
+    from megatron_rl.trainer.model import check_context_parallel
+
+    cp = ParallelLayout(context_parallel_size=2)
+    assert cp.megatron_overrides()["context_parallel_size"] == 2
+    check_context_parallel(cp, use_transformer_engine=True)
+    with pytest.raises(ValueError, match="context_parallel_size=2 needs Transformer Engine"):
+        check_context_parallel(cp, use_transformer_engine=False)
 
 
 def test_optimizer_defaults_are_scalerl():

@@ -1,0 +1,139 @@
+"""Per-rank hang detection with nvidia-resiliency-ext's rank monitor.
+
+Each trainer rank starts a RankMonitorServer process (nvidia_resiliency_ext.fault_tolerance) and
+reports to it over a Unix socket when it enters and leaves a section of its work: "train_step",
+"weight_sync", "checkpoint". A section that stays open past its timeout means the rank hung (e.g.
+in a collective whose peer died, or a deadlock): the monitor sends it SIGCONT then SIGKILL. The
+rank's Ray actor then dies, and the driver restores the trainer group from the last checkpoint
+(run_setup.recover_trainers) at once, without waiting for its own `train.step_timeout_s`.
+
+Timeouts: every section starts at `train.step_timeout_s`. With `train.hang_timeout_factor` set,
+the "train_step" timeout is recalibrated after `CALIBRATE_AFTER` steps to that factor times the
+longest step seen (nvrx's TimeoutsCalc, synchronised over the ranks: a collective, so every rank
+calls it at the same step), so that a hang is caught after a few step lengths instead of an hour.
+Weight syncs and checkpoints keep the fixed timeout (rare, and their length varies).
+
+Under `ft_launcher`, nvrx restarts ranks itself; here Ray starts them, so only the monitor and its
+client are used. It runs on CPU (it needs no GPU; its NIC health check finds no InfiniBand and is
+off). Where nvidia-resiliency-ext cannot be imported, `RankMonitor.start` returns None with the
+reason, and a hang is caught by the driver's step timeout alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+
+SECTIONS = ("train_step", "weight_sync", "checkpoint")
+CALIBRATE_AFTER = 3  # train steps seen before the train_step timeout is recalibrated
+_START_TIMEOUT_S = 180.0  # importing torch and nvrx in the monitor; generous on a loaded host
+
+_log = logging.getLogger(__name__)
+
+
+class RankMonitor:
+    def __init__(self, client, server, socket_dir: str, *, hang_timeout_factor: float | None):
+        self._client, self._server, self._socket_dir = client, server, socket_dir
+        self._factor = hang_timeout_factor
+        self._steps = 0
+        self.calibrated_timeout_s: float | None = None
+
+    @classmethod
+    def start(cls, *, timeout_s: float,
+              hang_timeout_factor: float | None = None) -> tuple[RankMonitor | None, str]:
+        """(the monitor, "") for this rank (after torch.distributed is up), or (None, why not)."""
+        try:
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+            from nvidia_resiliency_ext.fault_tolerance.data import (
+                FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR,
+            )
+        except Exception as exc:  # noqa: BLE001 - any import failure: not on this platform
+            return None, f"nvidia-resiliency-ext does not import ({type(exc).__name__}: {exc})"
+        for name in ("nvidia_resiliency_ext", "RankMonServer"):  # per-section debug chatter
+            logging.getLogger(name).setLevel(logging.WARNING)
+        socket_dir = tempfile.mkdtemp(prefix="megatron_rl_rank_monitor_")
+        socket_path = os.path.join(socket_dir, "rmon.socket")
+        os.environ[FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR] = socket_path
+        timeouts = {"rank_section_timeouts": {name: timeout_s for name in SECTIONS},
+                    "safety_factor": hang_timeout_factor or 5.0}
+        # A plain subprocess, not multiprocessing: spawn and forkserver re-import the caller's
+        # __main__ (a Ray worker's, or a script's), and a fork would copy the rank's threads.
+        server = subprocess.Popen(
+            [sys.executable, "-m", "megatron_rl.resilience.rank_monitor", str(os.getpid()),
+             socket_path, json.dumps(timeouts)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        ready, _, _ = select.select([server.stdout], [], [], _START_TIMEOUT_S)
+        if not ready or server.stdout.readline().strip() != b"ready":
+            server.kill()
+            return None, (f"nvidia-resiliency-ext's rank monitor did not start within "
+                          f"{_START_TIMEOUT_S:.0f} s")
+        client = RankMonitorClient()
+        client.init_workload_monitoring()
+        return cls(client, server, socket_dir, hang_timeout_factor=hang_timeout_factor), ""
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Monitor the work inside: past its timeout this rank is killed."""
+        if name not in SECTIONS:
+            raise ValueError(f"unknown rank-monitor section {name!r}; one of {SECTIONS}")
+        self._client.start_section(name)
+        try:
+            yield
+        finally:
+            self._client.end_section(name)
+        if name == "train_step":
+            self._steps += 1
+            if self._factor and self._steps == CALIBRATE_AFTER:
+                self._client.calculate_and_set_section_timeouts(
+                    selected_sections=["train_step"], calc_out_of_section=False)
+                self.calibrated_timeout_s = self._client.section_timeouts.section["train_step"]
+                _log.warning("rank monitor: a train step now counts as hung after %.1f s",
+                             self.calibrated_timeout_s)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._client.shutdown_workload_monitoring()
+        self._server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._server.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._socket_dir):
+                os.unlink(os.path.join(self._socket_dir, name))
+            os.rmdir(self._socket_dir)
+
+
+
+class _Ready:
+    """The event RankMonitorServer.run sets once it listens: a line on stdout to the rank."""
+
+    def set(self) -> None:
+        print("ready", flush=True)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nobody reads the pipe after this
+
+
+def _serve(rank_pid: int, socket_path: str, timeouts: dict) -> None:
+    """The monitor process: RankMonitorServer.run, dying with the rank that started it (nvrx's
+    server outlives a lost connection)."""
+    import ctypes
+    import signal
+
+    from nvidia_resiliency_ext.fault_tolerance import FaultToleranceConfig, RankMonitorServer
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != rank_pid:  # the rank died before the line above
+        return
+    config = FaultToleranceConfig(
+        initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None,
+        rank_out_of_section_timeout=None,  # waiting for data between steps is not a hang
+        **timeouts)
+    RankMonitorServer.run(cfg=config, ipc_socket_path=socket_path,
+                          rank_monitor_ready_event=_Ready(), is_restarter_logger=False)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))

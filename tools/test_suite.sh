@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# `make test`: the whole suite in three streams at once: e2e (whole `megatron-rl train` runs),
+# integration (SGLang servers, Ray, sandboxes), and unit + dist (+ a few integration files). The
+# e2e and integration tests spend much of their time waiting on process start-up and on their
+# own subprocesses, leaving cores idle; one after the other the suite took 22 minutes on 2 cores.
+# Each stream's output is printed when all are done, in this order; the exit status is non-zero
+# if any stream failed. One tier alone: `make test-unit` (or -dist, -integration, -e2e).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+logs=$(mktemp -d -t megatron_rl_tests.XXXXXX)
+# Balanced by the tests' durations on 2 cores (pytest prints the slowest 20 of each stream): the
+# tensor/expert-parallel engine tests (integration) run with the unit and dist tiers.
+tp_ep=(tests/integration/test_sglang_tp_ep2_moe.py tests/integration/test_sglang_tp_ep_tp2.py
+       tests/integration/test_sglang_tp_ep_llama4.py)
+streams=("tests/e2e"
+         "tests/integration ${tp_ep[*]/#/--ignore=}"
+         "tests/unit tests/dist ${tp_ep[*]}")
+pids=()
+for i in "${!streams[@]}"; do
+    # -p no:cacheprovider: the streams would all write .pytest_cache.
+    # shellcheck disable=SC2086  # a stream is a list of pytest arguments
+    "$PY" -m pytest -p no:cacheprovider ${streams[$i]} >"$logs/$i.log" 2>&1 &
+    pids+=($!)
+done
+trap 'kill "${pids[@]}" 2>/dev/null' INT TERM
+status=0
+summary=()
+for i in "${!streams[@]}"; do
+    wait "${pids[$i]}"
+    rc=$?
+    [ "$rc" -eq 0 ] || status=1
+    summary+=("  ${streams[$i]}: rc=$rc, $(grep -E '^=+ .*(passed|failed|error).* in ' \
+        "$logs/$i.log" | tail -1 | tr -d '=')")
+done
+for i in "${!streams[@]}"; do
+    echo "=================== stream: ${streams[$i]} ==================="
+    cat "$logs/$i.log"
+done
+echo "=================== make test: ${#streams[@]} streams ==================="
+printf '%s\n' "${summary[@]}"
+exit "$status"
