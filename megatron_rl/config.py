@@ -413,6 +413,9 @@ class RolloutConfig:
         True, "rollout routing replay (R3) for MoE families: the generators return each token's "
         "routed experts and the trainer's routers replay them (gating weights recomputed by the "
         "trainer); no effect on dense families (docs/routing_replay.md)")
+    routing_replay_compare: bool = _field(
+        False, "with routing replay: also score each step's batch without replay (one more "
+        "forward per step) for train/logp_mismatch_without_replay, the mismatch replay removes")
     health_check_interval_s: float = _field(10.0, "how often every generator is health-checked "
                                             "while the trainer waits for groups", gt=0.0)
     max_generator_restarts: int = _field(3, "restarts of one generator in a row (with backoff; "

@@ -43,8 +43,8 @@ class TrainerSettings:
     # rollout.routing_replay: MoE routers replay the generator's experts of batches that carry
     # them (trainer/routing_replay.py); False: they route freely and only the flips are counted.
     routing_replay: bool = True
-    # Also score each routed batch once WITHOUT replay (forward only, one more forward per step)
-    # for StepMetrics.logp_mismatch_without_replay; off by default (cost).
+    # rollout.routing_replay_compare: also score each routed batch once WITHOUT replay (forward
+    # only, one more forward per step) for StepMetrics.logp_mismatch_without_replay.
     routing_replay_compare: bool = False
     optimizer: OptimizerSettings = OptimizerSettings()
     micro_batch_max_tokens: int = 16384
@@ -68,6 +68,7 @@ class TrainerSettings:
             temperature=run.rollout.temperature,
             fp32_lm_head=run.model.fp32_lm_head,
             routing_replay=run.rollout.routing_replay,
+            routing_replay_compare=run.rollout.routing_replay_compare,
             loss=LossSettings(
                 kind=algorithm.loss, aggregation=algorithm.aggregation,
                 eps_max=algorithm.eps_max,

@@ -104,7 +104,7 @@ def main() -> None:
         model_name="test", model_size="tiny", layout=ParallelLayout(), precision="fp32",
         loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
         optimizer=OptimizerSettings(lr=1e-2, lr_warmup_steps=0, clip_grad=0.0),
-        micro_batch_max_tokens=4096, seed=7), family=family)
+        micro_batch_max_tokens=4096, seed=7, routing_replay_compare=True), family=family)
     round_to_bf16(trainer)
     wait_for_health(url, timeout_s=240)
     generator = SGLangGenerator(url, request_timeout_s=120, max_retries=2,
@@ -136,6 +136,7 @@ def main() -> None:
     metrics = trainer.train_step(batch)
     out["step"] = {"flip_fraction": metrics.routing_flip_fraction,
                    "logp_mismatch": metrics.logp_mismatch, "skipped": metrics.skipped,
+                   "logp_mismatch_without_replay": metrics.logp_mismatch_without_replay,
                    "router_update": max(float((r.weight - b).abs().max())
                                         for r, b in zip(routers, before))}
     del unwrap

@@ -91,3 +91,11 @@ def test_replayed_step_trains_the_routers(replay_result):
     assert not step["skipped"]
     assert step["flip_fraction"] > 0
     assert step["router_update"] > 1e-4
+
+
+def test_the_step_reports_the_mismatch_with_and_without_replay(replay_result):
+    """rollout.routing_replay_compare: the step scores its batch once more without replay,
+    before the update: the same figure as the forward without replay above."""
+    step, free = replay_result["step"], replay_result["without_replay"]
+    assert step["logp_mismatch_without_replay"] == pytest.approx(free["mean"], rel=1e-6)
+    assert step["logp_mismatch"] < step["logp_mismatch_without_replay"]
