@@ -426,6 +426,7 @@ class RunSetup:
                     groups = future.result(timeout=1.0)
                     break
                 except TimeoutError:
+                    self.record_reward_faults()
                     self.check_generators()
         except BaseException:
             future.cancel()  # the run is stopping: nothing waits for these groups
@@ -439,16 +440,20 @@ class RunSetup:
                            trained=[(g.group_id, g.prompt_index) for g in groups],
                            discarded=discarded, digest=ledger.groups_digest(groups))
 
+    def record_reward_faults(self) -> None:
+        """faults.jsonl records of the math workers that died or hung and were replaced; their
+        samples were graded again already (MathVerifier), so nothing is redone."""
+        for fault in self.math_verifier.take_faults():
+            ledger.record_fault(self.out, **fault, requeued_groups=0, steps_lost=0)
+            notice(f"reward worker: {fault['what']}; its samples are scored again by a fresh "
+                   "worker")
+
     # ------------------------------------------------------------------ generator failures
 
     def check_generators(self, *, now: bool = False, strikes: int = _HEALTH_STRIKES) -> None:
         """Health-check every generator (every rollout.health_check_interval_s, or `now`),
         take the ones failing `strikes` checks in a row (or a request) out of the rotation and
         restart them."""
-        for fault in self.math_verifier.take_faults():  # re-scored already: nothing to redo
-            ledger.record_fault(self.out, **fault, requeued_groups=0, steps_lost=0)
-            notice(f"reward worker: {fault['what']}; its samples are scored again by a fresh "
-                   "worker")
         interval = self.cfg.rollout.health_check_interval_s
         if now or time.monotonic() - self._last_health_check >= interval:
             self._last_health_check = time.monotonic()
@@ -820,6 +825,7 @@ class RunSetup:
         with the groups still outstanding (fit the run's curve with `megatron-rl fit
         output_dir`)."""
         self.commit_checkpoint(blocking=True)
+        self.record_reward_faults()
         self._progress.close()
         next_id, outstanding = self._call(self._async(
             lambda: (self.manager.next_group_id, self.manager.outstanding_group_ids())))

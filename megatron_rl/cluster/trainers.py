@@ -108,6 +108,8 @@ class TrainerWorker:
         self.run_config = None
         self.weight_sync = None
         self._generators: list[GeneratorEndpoint] = []  # what weight_sync feeds
+        self._monitor = None  # resilience/rank_monitor.RankMonitor, from setup
+        self._monitor_status = "not set up"
 
     def __repr__(self) -> str:  # Ray shows it in errors and in `ray list actors`
         return f"TrainerWorker(rank {self.rank})"
@@ -169,8 +171,8 @@ class TrainerWorker:
         return self._monitor_status
 
     def _section(self, name: str):
-        monitor = getattr(self, "_monitor", None)
-        return monitor.section(name) if monitor is not None else contextlib.nullcontext()
+        return self._monitor.section(name) if self._monitor is not None \
+            else contextlib.nullcontext()
 
     def train_step(self, batch):
         """One optimizer step on the global `TrainBatch` -> StepMetrics."""
@@ -271,7 +273,7 @@ class TrainerWorker:
     def shutdown(self) -> None:
         """Close the weight-update groups, the rank monitor and torch.distributed
         (collective)."""
-        if getattr(self, "_monitor", None) is not None:
+        if self._monitor is not None:
             self._monitor.close()
             self._monitor = None
         if self.weight_sync is not None:

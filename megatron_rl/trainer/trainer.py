@@ -136,6 +136,7 @@ class RLTrainer:
             use_distributed_optimizer=settings.optimizer.use_distributed_optimizer,
             config_overrides=overrides)
         self.routing_replay = None
+        self._async_saves = None  # Megatron's AsyncCallsQueue, from the first async save
         if self.config.num_moe_experts:
             from megatron_rl.trainer.routing_replay import RoutingReplay
 
@@ -265,7 +266,7 @@ class RLTrainer:
             async_save=async_save)
         if request is None:
             return False
-        if getattr(self, "_async_saves", None) is None:
+        if self._async_saves is None:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
             self._async_saves = AsyncCallsQueue()
@@ -275,11 +276,10 @@ class RLTrainer:
     def finalize_checkpoints(self, *, blocking: bool) -> bool:
         """Finish the asynchronous saves whose writes are done on every rank (collective; with
         `blocking`, wait for all). Returns whether none is left in flight."""
-        queue = getattr(self, "_async_saves", None)
-        if queue is None:
+        if self._async_saves is None:
             return True
-        queue.maybe_finalize_async_calls(blocking=blocking)
-        return queue.get_num_unfinalized_calls() == 0
+        self._async_saves.maybe_finalize_async_calls(blocking=blocking)
+        return self._async_saves.get_num_unfinalized_calls() == 0
 
     def load_model_weights(self, directory: str) -> None:
         """Start from the weights of a converted (HF -> Megatron, megatron_rl.convert) or
