@@ -324,7 +324,7 @@ class RolloutManager:
 
     def _group_done(self, task: asyncio.Task) -> None:
         entry = self._running.pop(task, None)
-        if entry is None:  # cancelled by mark_down (re-queued) or by stop()
+        if entry is None:  # finished (took itself out), or cancelled by mark_down or stop()
             return
         if not task.cancelled() and task.exception() is not None:
             error = task.exception()
@@ -356,6 +356,9 @@ class RolloutManager:
         texts = [self.decode(sample.token_ids) for sample in samples]
         record = self.records[prompt_index]
         results = await asyncio.to_thread(self.score, texts, [record] * len(texts))
+        # Out of `_running` in the same step as into `_finished`: the done-callback runs a loop
+        # iteration later, and a state_dict taken in between would hold the group twice.
+        self._running.pop(asyncio.current_task(), None)
         self._finished.append(FinishedGroup(group_id=group_id, prompt_index=prompt_index,
                                             admission_version=version, samples=tuple(samples),
                                             results=tuple(results)))

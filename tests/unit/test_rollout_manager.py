@@ -188,6 +188,40 @@ def test_state_dict_restores_buffer_and_regenerates_groups_in_flight_under_their
     assert manager.next_group_id >= 4 and manager.gate.num_trained == 4
 
 
+def test_a_group_is_never_both_buffered_and_in_flight():
+    """A finished group leaves the groups in flight in the same step as it enters the buffer:
+    a state_dict (or mark_down) taken right after it finished, before its task's done-callback
+    has run, must not hold it twice (it would be trained and regenerated on resume). The state
+    is taken at every notification, which is where that moment falls."""
+    snapshots = []
+
+    async def run():
+        manager = _manager(None, RECORD, params=SamplingParams(max_new_tokens=1, num_samples=2),
+                           prompts_per_step=2, score=_wrong, clients=[ScriptedClient()],
+                           num_prompts=4, max_off_policyness=1)
+        notify = manager._notify
+
+        def notify_and_snapshot():
+            state = manager.state_dict()
+            snapshots.append(([g.group_id for g in state["finished"]],
+                              [t.group_id for t in state["tickets"]]))
+            notify()
+
+        manager._notify = notify_and_snapshot
+        manager.start()
+        try:
+            groups = await asyncio.wait_for(manager.take(2), timeout=60)
+        finally:
+            await manager.stop()
+        return groups
+
+    assert [g.group_id for g in asyncio.run(run())] == [0, 1]
+    finished_moments = [s for s in snapshots if s[0]]
+    assert finished_moments  # the check below saw groups finish
+    for finished, tickets in snapshots:
+        assert not set(finished) & set(tickets), (finished, tickets)
+
+
 def test_every_sample_of_a_group_gets_its_own_sampling_seed():
     """SGLang samples a seeded request with noise drawn from (seed, position, token) alone, so
     G requests of one prompt under one seed return the same completion (a group with no
