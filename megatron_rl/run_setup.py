@@ -419,20 +419,24 @@ class RunSetup:
         """The step's groups; while waiting, the generators are health-checked and any that
         failed is restarted (the others keep generating)."""
         started = time.perf_counter()
-        future = asyncio.run_coroutine_threadsafe(self.manager.take(num_groups), self.loop)
+        groups = self._wait_checking_health(self.manager.take(num_groups))
+        self._wait_s = time.perf_counter() - started
+        return groups
+
+    def _wait_checking_health(self, coroutine):
+        """Run a coroutine on the rollout loop; while it runs, failed generators are restarted
+        and failed reward workers recorded."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
         try:
             while True:
                 try:
-                    groups = future.result(timeout=1.0)
-                    break
+                    return future.result(timeout=1.0)
                 except TimeoutError:
                     self.record_reward_faults()
                     self.check_generators()
         except BaseException:
-            future.cancel()  # the run is stopping: nothing waits for these groups
+            future.cancel()  # the run is stopping: nothing waits for the result
             raise
-        self._wait_s = time.perf_counter() - started
-        return groups
 
     def record_ledger(self, step: int, groups: Sequence) -> None:
         discarded = self._call(self._async(self.manager.take_discarded))
@@ -728,7 +732,7 @@ class RunSetup:
                                             write_validation_samples)
 
         k = self.cfg.eval.samples_per_prompt
-        completions = self._call(self._generate_heldout(k))
+        completions = self._wait_checking_health(self._generate_heldout(k))
         texts = [[self.tokenizer.decode(s.token_ids) for s in group] for group in completions]
         scored = score_samples(self.registry, self.heldout_records, texts)
         write_validation_samples(self.out / "validation_samples" / f"step_{step:06d}.jsonl",
@@ -746,15 +750,19 @@ class RunSetup:
         params = SamplingParams(max_new_tokens=1, temperature=self.cfg.rollout.temperature,
                                 seed=self.cfg.seed, purpose="eval")
 
-        async def one(index: int, prompt: Sequence[int], sample: int):
+        def one(index: int, prompt: Sequence[int], sample: int):
             # Each sample its own seed (SamplingParams.seed), the same at every validation: the
-            # curve's points differ by the policy, not by the sampling noise.
-            generate_one = bind_generate(self.clients[index % len(self.clients)],
-                                         params.for_sample("eval", index, sample),
-                                         extra_key=f"v{self.version}")
-            return await generate_completion(
-                generate_one, prompt, settings=self.interruption,
-                rng=random.Random(f"eval/{index}/{sample}"), group_id=index, sample_index=sample)
+            # curve's points differ by the policy, not by the sampling noise. So a sample whose
+            # generator fails midway is generated again, the same, on another.
+            def request(client):
+                generate_one = bind_generate(client, params.for_sample("eval", index, sample),
+                                             extra_key=f"v{self.version}")
+                return generate_completion(
+                    generate_one, prompt, settings=self.interruption,
+                    rng=random.Random(f"eval/{index}/{sample}"), group_id=index,
+                    sample_index=sample)
+
+            return self.manager.run_anywhere(index, request)
 
         groups = [[one(i, prompt, j) for j in range(k)]
                   for i, prompt in enumerate(self.heldout_prompt_ids)]

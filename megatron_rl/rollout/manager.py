@@ -107,6 +107,8 @@ class RolloutManager:
         self._requeued: collections.deque[int] = collections.deque()  # stale: new group ids
         self._retry: collections.deque[GroupTicket] = collections.deque()  # same group ids
         self._running: dict[asyncio.Task, tuple[GroupTicket, int]] = {}  # -> (ticket, client)
+        self._requests: dict[asyncio.Task, int] = {}  # run_anywhere's requests -> client
+        self._up_again = asyncio.Event()  # set (and replaced) by every mark_up
         self._down: set[int] = set()  # clients out of the rotation
         self._failures: list[GeneratorFailure] = []
         self._discarded: list[tuple[int, int, str]] = []  # (group id, prompt, decision)
@@ -183,6 +185,9 @@ class RolloutManager:
                 task.cancel()
                 self._retry.append(ticket)
                 requeued += 1
+        for task, client in self._requests.items():
+            if client == index:
+                task.cancel()  # run_anywhere sends it again to another generator
         self._failures.append(GeneratorFailure(index=index, reason=reason,
                                                detected_at=time.time(),
                                                requeued_groups=requeued))
@@ -192,7 +197,35 @@ class RolloutManager:
         """Generator `index` serves again (restarted and re-synced), through `client`."""
         self.clients[index] = client
         self._down.discard(index)
+        self._up_again.set()
+        self._up_again = asyncio.Event()
         self._notify()
+
+    async def run_anywhere(self, key: int, request: Callable):
+        """`await request(client)` on a generator in the rotation (the one of `key` modulo the
+        generators while it is up): requests outside the training groups, such as validation.
+        When that generator fails (the request finds it dead or timed out, or the driver's
+        health check takes it out with `mark_down`), it is taken out of the rotation like for a
+        group, and the request is sent again to another; with every generator down it waits for
+        `mark_up`. The request must give the same answer on any generator (seeded sampling)."""
+        while True:
+            index = self._up_client(key)
+            if index is None:
+                await self._up_again.wait()
+                continue
+            task = asyncio.ensure_future(request(self.clients[index]))
+            self._requests[task] = index
+            try:
+                await asyncio.wait({task})
+            finally:
+                del self._requests[task]
+                task.cancel()  # a no-op once done; else the caller itself was cancelled
+            if task.cancelled():  # its generator was taken out meanwhile
+                continue
+            if isinstance(task.exception(), GeneratorDeadError):
+                self.mark_down(index, str(task.exception()))
+                continue
+            return task.result()
 
     def take_failures(self) -> list[GeneratorFailure]:
         """The generators taken out of the rotation since the last call."""

@@ -186,7 +186,6 @@ class Run:
         self.settings = WeightSyncSettings(bucket_bytes=16 * 2**10, timeout_s=120)
         self.sync = self.new_sync(self.generator)
         self.batch = None
-        self.delay_s = 1.0
 
     def new_sync(self, generator):
         from megatron_rl.weight_sync import WeightSync
@@ -204,11 +203,24 @@ class Run:
         self.generator.generate(long_prompts(20), SamplingParams(
             max_new_tokens=NUM_TOKENS, seed=1, ignore_eos=True), extra_key="v1")
         generation_s = time.perf_counter() - tick
-        # Update about a quarter of the way through the next generations.
-        self.delay_s = 0.25 * generation_s
         return {"version": report.version, "buckets": report.num_buckets,
                 "generation_s": generation_s,
                 "tokens_per_s": NUM_REQUESTS * NUM_TOKENS / generation_s}
+
+    def wait_until_decoding(self) -> None:
+        """Return once every request of the round is in SGLang's running batch: its prefill
+        is done, so it holds a token of the old weights, and its 200 tokens are far from done.
+        (A sleep tuned on one generation's time missed both ends on a loaded machine.)"""
+        import requests
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            loads = requests.get(f"{self.url}/v1/loads", params={"include": "core"},
+                                 timeout=30).json()["loads"]
+            if sum(load["num_running_reqs"] for load in loads) >= NUM_REQUESTS:
+                return
+            time.sleep(0.005)
+        raise TimeoutError("the round's requests never all ran")
 
     def train(self):
         """One train step; returns (old trainer snapshot, old HF state, new HF state)."""
@@ -266,7 +278,7 @@ class Run:
         self.sync.settings = dataclasses.replace(self.settings, pause_mode=pause_mode)
         thread, box = generate_in_background(self.generator, long_prompts(index), NUM_TOKENS,
                                              f"v{old_version}", seed=100 + index)
-        time.sleep(self.delay_s)
+        self.wait_until_decoding()
         restore = inject_failures(self.sync, set(failing_attempts)) if failing_attempts \
             else lambda: None
         out: dict = {"pause_mode": pause_mode}
@@ -312,7 +324,7 @@ class Run:
         self.sync.settings = dataclasses.replace(self.settings, pause_mode="abort")
         thread, box = generate_in_background(self.generator, long_prompts(index), NUM_TOKENS,
                                              f"v{old_version}", seed=100 + index)
-        time.sleep(self.delay_s)
+        self.wait_until_decoding()
         report = self.sync.sync()
         thread.join(timeout=300)
         results = box["results"]

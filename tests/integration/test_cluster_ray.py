@@ -164,7 +164,10 @@ def _assert_loopback_only(snapshot, endpoint) -> None:
 def test_pipeline_step_on_ray_with_weight_sync_parity(tmp_path):
     """Local Ray cluster -> placement group -> GeneratorActor (SGLang) + TrainerWorker ->
     sync (v1) -> generate -> train step (logp_mismatch ~0) -> sync (v2) -> generate -> train
-    step (~0 again, the generator follows) -> checkpoint round trip -> shutdown, nothing left."""
+    step (~0 again, the generator follows) -> checkpoint round trip -> the SGLang server is
+    killed: the health check raises GeneratorDeadError naming the generator, its URL, the exit
+    code and the server's log -> shutdown, nothing left. (One cluster for both halves: a Ray
+    cluster and an SGLang server take a minute to start on 2 cores.)"""
     from _hf_families import family_for, save_tiny_llama
 
     from megatron_rl.cluster import ClusterLayout, GeneratorPool, RayCluster, TrainerGroup
@@ -183,7 +186,8 @@ def test_pipeline_step_on_ray_with_weight_sync_parity(tmp_path):
         assert cluster.node_ip == "127.0.0.1"
         placement = cluster.reserve(ClusterLayout.from_run_config(run, device="cpu"))
         generators = GeneratorPool.launch(
-            placement, [_server_settings(run, model_dir, tmp_path / "server.log")])
+            placement, [_server_settings(run, model_dir, tmp_path / "server.log")],
+            names=["rollout-east"])
         (endpoint,) = generators.endpoints
         assert endpoint.url.startswith("http://127.0.0.1:") and endpoint.num_ranks == 1
         clock.lap("generator up")
@@ -230,6 +234,8 @@ def test_pipeline_step_on_ray_with_weight_sync_parity(tmp_path):
         assert state.extra_state == {"sampler": [3, 1, 2]}
         clock.lap("checkpoint")
         snapshot = _snapshot_of_running_cluster(endpoint)
+        _kill_and_check_the_generator_is_named(generators, endpoint)
+        clock.lap("death noticed")
     finally:
         cluster.shutdown()
     clock.lap("shutdown")
@@ -238,47 +244,22 @@ def test_pipeline_step_on_ray_with_weight_sync_parity(tmp_path):
     clock.report("pipeline step on Ray")
 
 
-def test_dead_generator_is_named(tmp_path):
-    """A generator whose SGLang server dies: the health check raises GeneratorDeadError naming
-    the generator, its URL, the exit code and the server's log; shutdown still leaves nothing."""
-    from _hf_families import save_tiny_llama
-
-    from megatron_rl.cluster import ClusterLayout, GeneratorPool, RayCluster
+def _kill_and_check_the_generator_is_named(pool, endpoint) -> None:
     from megatron_rl.rollout import GeneratorDeadError
 
-    clock = _Clock()
-    model_dir = save_tiny_llama(tmp_path / "model")
-    run = _run_config(tmp_path)
-    settings = _cluster_settings()
-    cluster = RayCluster.start(settings)
-    try:
-        placement = cluster.reserve(ClusterLayout(num_trainer_ranks=1, num_generators=1))
-        pool = GeneratorPool.launch(
-            placement, [_server_settings(run, model_dir, tmp_path / "server.log")],
-            names=["rollout-east"])
-        (endpoint,) = pool.endpoints
-        pool.check_health()
-        clock.lap("ray + generator up")
-        snapshot = _snapshot_of_running_cluster(endpoint)
-        os.killpg(endpoint.pid, signal.SIGKILL)  # the server and its children die
-        error, deadline = None, time.monotonic() + 30
-        while time.monotonic() < deadline:  # until the actor has seen its server exit
-            try:
-                pool.check_health()
-            except GeneratorDeadError as exc:
-                error = exc
-                if "exited with code" in str(exc):
-                    break
-            time.sleep(0.2)
-        assert error is not None, "the health check passed after the server was killed"
-        message = str(error)
-        assert "generator 'rollout-east'" in message and endpoint.url in message, message
-        assert "exited with code -9" in message and str(endpoint.log_path) in message, message
-        clock.lap("death noticed")
-        print("\n" + message.splitlines()[0])
-    finally:
-        cluster.shutdown()
-    clock.lap("shutdown")
-    _assert_nothing_left(snapshot, [settings.temp_dir, str(model_dir)])
-    shutil.rmtree(settings.temp_dir, ignore_errors=True)  # Ray's logs, kept when a test fails
-    clock.report("dead generator")
+    pool.check_health()
+    os.killpg(endpoint.pid, signal.SIGKILL)  # the server and its children die
+    error, deadline = None, time.monotonic() + 30
+    while time.monotonic() < deadline:  # until the actor has seen its server exit
+        try:
+            pool.check_health()
+        except GeneratorDeadError as exc:
+            error = exc
+            if "exited with code" in str(exc):
+                break
+        time.sleep(0.2)
+    assert error is not None, "the health check passed after the server was killed"
+    message = str(error)
+    assert "generator 'rollout-east'" in message and endpoint.url in message, message
+    assert "exited with code -9" in message and str(endpoint.log_path) in message, message
+    print("\n" + message.splitlines()[0])

@@ -188,6 +188,47 @@ def test_state_dict_restores_buffer_and_regenerates_groups_in_flight_under_their
     assert manager.next_group_id >= 4 and manager.gate.num_trained == 4
 
 
+def test_run_anywhere_moves_a_request_off_a_dead_or_hung_generator_and_waits_when_all_are_down():
+    """Validation's requests (run_anywhere): one to a generator that answers dead is sent again
+    to another, which is taken out of the rotation and reported; one on a hung generator is
+    cancelled by the driver's mark_down and sent again; with every generator down a request
+    waits for mark_up. Scripted stand-in clients (scheduling logic only)."""
+    from megatron_rl.rollout.types import GeneratorDeadError
+
+    class DeadClient(ScriptedClient):
+        async def generate_one(self, *args, **kwargs):
+            raise GeneratorDeadError("connection refused")
+
+    async def request(client):
+        result = await client.generate_one((5, 6), 1, SamplingParams(max_new_tokens=1, seed=1))
+        return client, result.token_ids
+
+    async def run():
+        dead, good, hung = DeadClient(), ScriptedClient(), ScriptedClient(hang=True)
+        manager = _manager(None, RECORD, params=SamplingParams(max_new_tokens=1),
+                           prompts_per_step=1, score=_wrong, clients=[dead, good, hung])
+        answered = await asyncio.wait_for(manager.run_anywhere(0, request), timeout=60)
+        assert answered == (good, (9,)) and manager.down == {0}  # preferred 0: dead
+        on_hung = asyncio.ensure_future(manager.run_anywhere(2, request))
+        while not hung.seeds:
+            await asyncio.sleep(0.01)
+        manager.mark_down(2, "no health answer")
+        assert await asyncio.wait_for(on_hung, timeout=60) == (good, (9,))
+        assert hung.cancelled == 1
+        manager.mark_down(1, "killed")
+        waiting = asyncio.ensure_future(manager.run_anywhere(4, request))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # nothing up: it waits
+        replacement = ScriptedClient()
+        manager.mark_up(2, replacement)
+        assert await asyncio.wait_for(waiting, timeout=60) == (replacement, (9,))
+        return manager.take_failures()
+
+    failures = asyncio.run(run())
+    assert [(f.index, f.requeued_groups) for f in failures] == [(0, 0), (2, 0), (1, 0)]
+    assert "connection refused" in failures[0].reason
+
+
 def test_a_group_is_never_both_buffered_and_in_flight():
     """A finished group leaves the groups in flight in the same step as it enters the buffer:
     a state_dict (or mark_down) taken right after it finished, before its task's done-callback
