@@ -217,8 +217,9 @@ def decoder_block_spec(config: TransformerConfig, *, use_transformer_engine: boo
 def standard_decoder_spec(config: TransformerConfig, *, use_transformer_engine: bool,
                           qk_norm: str | None, vp_stage: int | None = None,
                           pp_rank: int | None = None):
-    """`decoder_block_spec` with megatron-core's own SelfAttention and dot-product attention
-    (Transformer Engine's on GPU): the spec of families without custom attention."""
+    """`decoder_block_spec` with megatron-core's own SelfAttention and Transformer Engine's
+    dot-product attention (SDPACoreAttention on the local spec, the CPU trainer's): the spec of
+    families without custom attention."""
     from megatron.core.transformer.attention import SelfAttention
 
     if use_transformer_engine:
@@ -226,9 +227,9 @@ def standard_decoder_spec(config: TransformerConfig, *, use_transformer_engine: 
 
         core_attention = TEDotProductAttention
     else:
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
+        from models.sdpa_attention import SDPACoreAttention
 
-        core_attention = DotProductAttention
+        core_attention = SDPACoreAttention
     return decoder_block_spec(
         config, use_transformer_engine=use_transformer_engine, self_attention_cls=SelfAttention,
         core_attention=core_attention, qk_norm=qk_norm, vp_stage=vp_stage, pp_rank=pp_rank)

@@ -9,13 +9,15 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 logs=$(mktemp -d -t megatron_rl_tests.XXXXXX)
-# Balanced by the tests' durations on 2 cores (pytest prints the slowest 20 of each stream): the
-# tensor/expert-parallel engine tests (integration) run with the unit and dist tiers.
+# Balanced by the tests' durations on 2 cores (pytest prints the slowest 20 of each stream; the
+# suite keeps both cores ~95% busy, so only less work makes it faster): the tensor/expert-parallel
+# engine tests (integration) and the colocated run (e2e) go with the unit and dist tiers.
 tp_ep=(tests/integration/test_sglang_tp_ep2_moe.py tests/integration/test_sglang_tp_ep_tp2.py
        tests/integration/test_sglang_tp_ep_llama4.py)
-streams=("tests/e2e"
+colocated=tests/e2e/test_train_colocated.py
+streams=("tests/e2e --ignore=$colocated"
          "tests/integration ${tp_ep[*]/#/--ignore=}"
-         "tests/unit tests/dist ${tp_ep[*]}")
+         "tests/unit tests/dist ${tp_ep[*]} $colocated")
 pids=()
 for i in "${!streams[@]}"; do
     # -p no:cacheprovider: the streams would all write .pytest_cache.

@@ -4,8 +4,8 @@ Megatron already skips RoPE on NoPE layers (`no_rope_freq`) and has a weight-fre
 What it lacks, and this module adds without forking Megatron code:
 - `Llama4SelfAttention`: SelfAttention whose q/k L2 norm exists on RoPE layers only (Llama-4
   applies it there; Megatron's `qk_l2_norm` would apply it on every layer).
-- `Llama4CoreAttention`, wrapped around the backend's own core attention (local
-  `DotProductAttention` on CPU, `TEDotProductAttention` on GPU):
+- `Llama4CoreAttention`, wrapped around the backend's own core attention (`SDPACoreAttention` on
+  the local spec, CPU; `TEDotProductAttention` on GPU):
   * RoPE layers: chunked local attention - a token attends causally within its
     `attention_chunk_size` chunk only. Implemented by folding the chunks into the batch dimension
     (sbhd) or splitting packed sequences at chunk boundaries (thd), so any backend's causal kernel
@@ -26,8 +26,8 @@ from torch import Tensor
 
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import MegatronModule
+from models.sdpa_attention import SDPACoreAttention
 
 
 class Llama4SelfAttention(SelfAttention):
@@ -181,9 +181,9 @@ class Llama4CoreAttention(MegatronModule):
 
 def llama4_core_attention(use_transformer_engine: bool) -> partial:
     """The core-attention builder for a SelfAttention spec: Llama4CoreAttention around
-    megatron's local DotProductAttention (CPU) or TEDotProductAttention (GPU)."""
+    SDPACoreAttention (the local spec's, CPU) or TEDotProductAttention (GPU)."""
     if use_transformer_engine:
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
         return partial(Llama4CoreAttention, backend_attention=TEDotProductAttention)
-    return partial(Llama4CoreAttention, backend_attention=DotProductAttention)
+    return partial(Llama4CoreAttention, backend_attention=SDPACoreAttention)

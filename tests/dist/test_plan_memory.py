@@ -70,11 +70,12 @@ def test_activation_estimate_against_a_measured_forward(measured):
         if "activations" not in record:
             continue
         arch, layout = _planned(record)
-        # Local spec on CPU: attention probabilities kept, unfused SwiGLU; no recompute
-        # (Megatron's recompute saves CUDA RNG states: GPU only).
+        # Local spec on CPU: SDPACoreAttention, whose CPU kernel (torch's flash attention for
+        # CPU) keeps no attention probabilities, unfused SwiGLU; no recompute (Megatron's
+        # recompute saves CUDA RNG states: GPU only).
         act = plan.ActivationSettings(
             tokens=record["activations"]["tokens"],
-            dtype_bytes=4 if record["precision"] == "fp32" else 2, flash_attention=False,
+            dtype_bytes=4 if record["precision"] == "fp32" else 2, flash_attention=True,
             fused_swiglu=False, logprob_chunk_size=64)
         estimate = sum(plan.stage_activation_bytes(arch, layout, act, pp_rank=0).values())
         estimate += plan.lm_head_bytes(arch, layout, act, params_dtype_bytes=act.dtype_bytes)[

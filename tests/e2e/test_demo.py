@@ -1,16 +1,17 @@
-"""`make demo` shortened: the demo driver (examples/demo/run.py) on a freshly built base model
-(tools/make_demo_base.py with a 40-step warm-up instead of 300), then `megatron-rl train` on the
-demo recipe for a few steps on the real stack: Ray, one SGLang CPU generator, one Megatron trainer
-rank, reasoning-gym chain sums scored by reasoning-gym's own scorer.
+"""`make demo` shortened: the demo's base model build (tools/make_demo_base.py, with a 2-step
+warm-up instead of 300), twice, then the demo driver (examples/demo/run.py) on it: `megatron-rl
+train` on the demo recipe for a few steps on the real stack: Ray, one SGLang CPU generator, one
+Megatron trainer rank, reasoning-gym chain sums scored by reasoning-gym's own scorer.
 
-Checked against independent references: every validation sample is decoded text, and its score
-is 1 exactly when reasoning-gym's scorer gives full marks to the text inside its last <answer>
-tags after the thinking, which is also what Python's own arithmetic on the problem's expression
-says (the test recomputes both); the held-out
-prompts were never trained on (no training prompt of the pool shares a held-out text, and the
-warm-up data excludes the whole pool); forced interruption fired; the scaling log has the
-validation points; the driver printed the before/after samples and pass rates; and nothing
-outlives the run.
+Checked against independent references: the two builds (task data, tokenizer, random init,
+`megatron-rl sft` through the Megatron trainer, export through the converter, SGLang layout) wrote
+byte-identical files, and the warm-up changed the weights; every validation sample is decoded
+text, and its score is 1 exactly when reasoning-gym's scorer gives full marks to the text inside
+its last <answer> tags after the thinking, which is also what Python's own arithmetic on the
+problem's expression says (the test recomputes both); the held-out prompts were never trained on
+(no training prompt of the pool shares a held-out text, and the warm-up data excludes the whole
+pool); forced interruption fired; the scaling log has the validation points; the driver printed
+the before/after samples and pass rates; and nothing outlives the run.
 """
 import json
 import os
@@ -26,7 +27,7 @@ from _checks import ROOT, processes_left, scalars as read_scalars  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-SHORT_BUILD = ["--num-steps", "40", "--num-sft-examples", "512", "--num-rl-prompts", "64",
+SHORT_BUILD = ["--num-steps", "2", "--num-sft-examples", "64", "--num-rl-prompts", "64",
                "--no-progress"]
 
 
@@ -39,13 +40,42 @@ def _answer(completion: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+def _build(output: Path) -> Path:
+    done = subprocess.run([sys.executable, "tools/make_demo_base.py", str(output), *SHORT_BUILD],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return output
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _check_rebuild_is_identical(first: Path, second: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    for part in ("model", "init"):
+        files = _files(first / part)
+        assert "model.safetensors" in files and "tokenizer.json" in files
+        assert files == _files(second / part), part
+    for name in ("prompts.jsonl", "sft_data.jsonl"):
+        assert (first / name).read_bytes() == (second / name).read_bytes()
+    record = json.loads((first / "build.json").read_text())
+    assert record["sha256"] == json.loads((second / "build.json").read_text())["sha256"]
+    # The SFT steps changed the weights: the export is not the random initialisation.
+    init = load_file(str(first / "init/model.safetensors"))
+    trained = load_file(str(first / "model/model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(init[name].to(torch.bfloat16), trained[f"language_model.{name}"])
+
+
 def test_demo_driver_runs_the_real_pipeline(tmp_path):
     import reasoning_gym
 
-    base = tmp_path / "base"
-    build = subprocess.run([sys.executable, "tools/make_demo_base.py", str(base), *SHORT_BUILD],
-                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-4000:]
+    base = _build(tmp_path / "base")
+    _check_rebuild_is_identical(base, _build(tmp_path / "rebuilt"))
     out = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "examples.demo.run", f"output_dir={out}",
@@ -53,8 +83,8 @@ def test_demo_driver_runs_the_real_pipeline(tmp_path):
          "train.num_steps=2", "train.global_batch_size=32", "eval.interval_steps=2",
          "eval.num_heldout_prompts=8",
          "eval.samples_per_prompt=2", "logging.progress_bar=false",
-         # A 40-step warm-up rarely solves a problem: keep zero-variance groups (zero
-         # advantages) so every step runs the trainer.
+         # A 2-step warm-up solves no problem: keep zero-variance groups (zero advantages)
+         # so every step runs the trainer.
          "algorithm.zero_variance_filter=false"],
         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)

@@ -300,7 +300,7 @@ def test_transformer_engine_spec_names_te_modules(models_pkg):
             assert shared.keywords["submodules"].linear_fc1 is te_ext.TEColumnParallelLinear
             assert config.moe_grouped_gemm  # TE's grouped-GEMM experts where TE is installed
         else:
-            assert core.keywords["backend_attention"].__name__ == "DotProductAttention"
+            assert core.keywords["backend_attention"].__name__ == "SDPACoreAttention"
             assert attention.submodules.linear_qkv is ColumnParallelLinear
             assert attention.submodules.linear_proj is RowParallelLinear
             assert dense.submodules.input_layernorm is LNImpl

@@ -436,3 +436,31 @@ def test_async_client_resends_after_a_broken_connection_and_names_a_dead_server(
 
     with pytest.raises(GeneratorDeadError, match=r"does not answer /generate \(after 3 attempts"):
         asyncio.run(dead())
+
+
+def test_only_the_served_architectures_model_module_is_imported(tmp_path):
+    """SGLang's registry imports all of sglang.srt.models in every scheduler process; for our
+    families' architectures the launcher names the others in SGLANG_DISABLED_MODEL_ARCHS (the
+    module of each architecture is the one whose EntryClass lists it); any other model, or a
+    folder without a config, imports everything."""
+    import ast
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from megatron_rl.rollout.sglang_server import _MODEL_MODULES, unused_model_modules
+
+    models = Path(next(iter(importlib.util.find_spec("sglang").submodule_search_locations)),
+                  "srt", "models")
+    for architecture, module in _MODEL_MODULES.items():
+        tree = ast.parse((models / f"{module}.py").read_text())
+        entry = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                     and any(getattr(t, "id", None) == "EntryClass" for t in node.targets))
+        assert architecture in ast.unparse(entry), (architecture, module)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
+    unused = unused_model_modules(str(tmp_path))
+    assert "qwen3_moe" not in unused and {"llama", "qwen2_moe", "deepseek_v2"} <= set(unused)
+    assert len(unused) == len(list(models.glob("*.py"))) - 1
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    assert unused_model_modules(str(tmp_path)) is None
+    assert unused_model_modules(str(tmp_path / "missing")) is None
