@@ -186,6 +186,7 @@ class Run:
         self.settings = WeightSyncSettings(bucket_bytes=16 * 2**10, timeout_s=120)
         self.sync = self.new_sync(self.generator)
         self.batch = None
+        self.delay_s = 1.0
 
     def new_sync(self, generator):
         from megatron_rl.weight_sync import WeightSync
@@ -203,24 +204,27 @@ class Run:
         self.generator.generate(long_prompts(20), SamplingParams(
             max_new_tokens=NUM_TOKENS, seed=1, ignore_eos=True), extra_key="v1")
         generation_s = time.perf_counter() - tick
+        # Update about a quarter of the way through the next generations.
+        self.delay_s = 0.25 * generation_s
         return {"version": report.version, "buckets": report.num_buckets,
                 "generation_s": generation_s,
                 "tokens_per_s": NUM_REQUESTS * NUM_TOKENS / generation_s}
 
-    def wait_until_decoding(self) -> None:
-        """Return once every request of the round is in SGLang's running batch: its prefill
-        is done, so it holds a token of the old weights, and its 200 tokens are far from done.
-        (A sleep tuned on one generation's time missed both ends on a loaded machine.)"""
-        import requests
-
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            loads = requests.get(f"{self.url}/v1/loads", params={"include": "core"},
-                                 timeout=30).json()["loads"]
-            if sum(load["num_running_reqs"] for load in loads) >= NUM_REQUESTS:
-                return
-            time.sleep(0.005)
-        raise TimeoutError("the round's requests never all ran")
+    def generate_round(self, index: int, old_version: int):
+        """Start the round's requests and return (thread, box) about a quarter of the way
+        through them, so that the update lands mid-generation. The delay comes from one timed
+        generation; when the machine then runs faster and the requests finish before the delay
+        is up, the round is started again (same seeds, same weights: the same tokens) with a
+        quarter of the delay. (SGLang's /v1/loads, polled for the running batch instead, never
+        showed the round's requests on the loaded CI machine.)"""
+        for _ in range(4):
+            thread, box = generate_in_background(self.generator, long_prompts(index),
+                                                 NUM_TOKENS, f"v{old_version}", seed=100 + index)
+            thread.join(timeout=self.delay_s)
+            if thread.is_alive():
+                return thread, box
+            self.delay_s /= 4
+        raise RuntimeError(f"round {index}: the requests finished before every delay tried")
 
     def train(self):
         """One train step; returns (old trainer snapshot, old HF state, new HF state)."""
@@ -276,9 +280,7 @@ class Run:
         old, old_hf, new_hf = self.train()
         old_version = self.sync.version
         self.sync.settings = dataclasses.replace(self.settings, pause_mode=pause_mode)
-        thread, box = generate_in_background(self.generator, long_prompts(index), NUM_TOKENS,
-                                             f"v{old_version}", seed=100 + index)
-        self.wait_until_decoding()
+        thread, box = self.generate_round(index, old_version)
         restore = inject_failures(self.sync, set(failing_attempts)) if failing_attempts \
             else lambda: None
         out: dict = {"pause_mode": pause_mode}
@@ -322,9 +324,7 @@ class Run:
         old, old_hf, new_hf = self.train()
         old_version = self.sync.version
         self.sync.settings = dataclasses.replace(self.settings, pause_mode="abort")
-        thread, box = generate_in_background(self.generator, long_prompts(index), NUM_TOKENS,
-                                             f"v{old_version}", seed=100 + index)
-        self.wait_until_decoding()
+        thread, box = self.generate_round(index, old_version)
         report = self.sync.sync()
         thread.join(timeout=300)
         results = box["results"]
