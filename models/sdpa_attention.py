@@ -53,11 +53,10 @@ class SDPACoreAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp_size)
         self.num_groups = divide(config.num_query_groups, tp_size)
-        head_dim = divide(config.kv_channels * config.num_attention_heads,
-                          config.num_attention_heads)
         # Megatron divides the scale by the layer number under query-key layer scaling and
         # multiplies the scores back in its softmax: the product is this.
-        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None \
+            else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None \
             else attention_dropout
 

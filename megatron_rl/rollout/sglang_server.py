@@ -42,7 +42,8 @@ from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, Gen
                                        decode_routed_experts)
 
 _PAUSE_MODES = ("in_place", "retract", "abort")
-# The sglang.srt.models module of each architecture our families serve (and what it imports).
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+# The sglang.srt.models module whose EntryClass is each architecture our families serve.
 _MODEL_MODULES = {"LlamaForCausalLM": "llama", "Llama4ForCausalLM": "llama4",
                   "Llama4ForConditionalGeneration": "mllama4", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _DISABLED_MODELS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
@@ -50,9 +51,9 @@ _DISABLED_MODELS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 
 def unused_model_modules(model_path: str) -> list[str] | None:
     """SGLang's model registry imports every module of sglang.srt.models (~250) in each scheduler
-    process it starts, ~10 s of CPU per process on the 2-core machine, whatever the model. For
-    a model of the architectures our families serve, the modules it does not need, to name in
-    SGLang's own SGLANG_DISABLED_MODEL_ARCHS; None for any other model (all are imported)."""
+    process it starts (~2 s each on an idle 2-core machine, ~10 s under load), whatever the
+    model. For a model of the architectures our families serve, the modules it does not need, to
+    name in SGLang's own SGLANG_DISABLED_MODEL_ARCHS; None for any other model (all imported)."""
     import importlib.util
     import json
 
@@ -70,7 +71,6 @@ def unused_model_modules(model_path: str) -> list[str] | None:
     models = Path(next(iter(spec.submodule_search_locations))) / "srt" / "models"
     return sorted(p.stem for p in models.glob("*.py")
                   if p.stem not in needed and not p.stem.startswith("_"))
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
