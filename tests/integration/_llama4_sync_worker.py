@@ -12,7 +12,6 @@ comparison meaningful); a train step changes the weights and sync 2 makes the ge
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
-from _weight_sync_worker import (max_abs_diff, trainer_logprobs,  # noqa: E402
+from _weight_sync_worker import (finish, max_abs_diff, trainer_logprobs,  # noqa: E402
                                  train_on_generator_samples)
 
 from megatron_rl.rollout import (SamplingParams, SGLangGenerator,  # noqa: E402
@@ -153,13 +152,7 @@ def main() -> None:
         result["synced2_max_diff"] = max_abs_diff(train_logp_2, generator.score(SEQUENCES))
         result["generator_version_2"] = generator.weight_version
         result["server_version_2"] = generator.server_weight_version()
-        with open(out_path, "w") as f:
-            json.dump(result, f, indent=1)
-    torch.distributed.barrier()
-    sync.close()
-    from megatron_rl.platform import destroy_distributed
-
-    destroy_distributed()
+    finish(rank, result, out_path, sync)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Multi-rank SGLang CPU engines for test_sglang_tp_ep*.py (tensor- / expert-parallel generators).
 
-One engine per layout, started once per test module (`engine_fixture`), on the CPU settings that
+One engine per layout, started once per test module (`engine_fixtures`), on the CPU settings that
 SGLangServerSettings picks by itself for tp_size > 1: one core per rank
 (SGLANG_CPU_OMP_THREADS_BIND "0|1") and a KV-cache bound per rank (max_total_tokens). Before each
 test the engine is put back to its launch weights at version 0 (`reset`), so no test depends on
@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 PROMPTS = [[5, 17, 42, 99], [200, 4, 31], [2, 300, 45, 61, 19]]
@@ -30,6 +31,27 @@ def launch_engine(directory: Path, save_model, *, dtype: str, tp_size: int, ep_s
         model_path=str(model_dir), dtype=dtype, tp_size=tp_size, ep_size=ep_size,
         startup_timeout_s=600, request_timeout_s=240, log_path=str(directory / "server.log")))
     return generator, time.perf_counter() - start
+
+
+def engine_fixtures(name: str, save_model, *, dtype: str, tp_size: int, ep_size: int):
+    """(engine, fresh_engine) pytest fixtures for a test module: `engine` launches the layout
+    once for the module (and shuts it down after), `fresh_engine` hands it to a test `reset`.
+    Assign both at module level: `engine, fresh_engine = engine_fixtures(...)`."""
+    @pytest.fixture(scope="module")
+    def engine(tmp_path_factory):
+        generator, _ = launch_engine(tmp_path_factory.mktemp(name), save_model, dtype=dtype,
+                                     tp_size=tp_size, ep_size=ep_size)
+        try:
+            yield generator
+        finally:
+            generator.shutdown()
+
+    @pytest.fixture
+    def fresh_engine(engine):
+        reset(engine)
+        return engine
+
+    return engine, fresh_engine
 
 
 def reset(generator, timeout_s: float = 60.0) -> None:

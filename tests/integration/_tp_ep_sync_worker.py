@@ -15,7 +15,6 @@ Steps: stale (before any sync) -> sync 1 -> a train step on generator samples ->
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
-from _weight_sync_worker import SEQUENCES, train_on_generator_samples  # noqa: E402
+from _weight_sync_worker import SEQUENCES, finish, train_on_generator_samples  # noqa: E402
 
 from megatron_rl.rollout import SGLangGenerator  # noqa: E402
 from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
@@ -114,14 +113,7 @@ def main() -> None:
         s["total_bytes"] = sum(g[i][0] for g in gathered)
         s["total_buckets"] = sum(g[i][1] for g in gathered)
     result["syncs"] = syncs
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(result, f, indent=1)
-    torch.distributed.barrier()
-    sync.close()
-    from megatron_rl.platform import destroy_distributed
-
-    destroy_distributed()
+    finish(rank, result, out_path, sync)
 
 
 if __name__ == "__main__":

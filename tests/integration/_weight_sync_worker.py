@@ -284,6 +284,12 @@ def main() -> None:
                     "num_buckets": report.num_buckets}
             fallback.close()
             previous = moved
+    finish(rank, result, out_path, sync)
+
+
+def finish(rank: int, result: dict, out_path: str, sync) -> None:
+    """The end of a sync worker: rank 0 writes the result, then every rank closes its weight
+    sync and leaves the process group."""
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
@@ -292,7 +298,6 @@ def main() -> None:
     from megatron_rl.platform import destroy_distributed
 
     destroy_distributed()
-
 
 if __name__ == "__main__":
     main()

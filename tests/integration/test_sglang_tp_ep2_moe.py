@@ -23,26 +23,13 @@ pytestmark = pytest.mark.integration
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _tp_ep_engines import check_engine_layout, check_sync, launch_engine, reset  # noqa: E402
+from _hf_families import save_tiny_qwen3_moe  # noqa: E402
+from _tp_ep_engines import check_engine_layout, check_sync, engine_fixtures  # noqa: E402
 from _workers import run_worker  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from _hf_families import save_tiny_qwen3_moe
-
-    generator, _ = launch_engine(tmp_path_factory.mktemp("qwen3_moe_tp2_ep2"),
-                                 save_tiny_qwen3_moe, dtype="float32", tp_size=2, ep_size=2)
-    try:
-        yield generator
-    finally:
-        generator.shutdown()
-
-
-@pytest.fixture
-def fresh_engine(engine):
-    reset(engine)
-    return engine
+engine, fresh_engine = engine_fixtures("qwen3_moe_tp2_ep2", save_tiny_qwen3_moe, dtype="float32",
+                                        tp_size=2, ep_size=2)
 
 
 def test_engine_tp2_ep2_matches_transformers(fresh_engine):
