@@ -31,11 +31,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
-from _weight_sync_worker import sampled_batch, trainer_logprobs  # noqa: E402
+from _weight_sync_worker import make_trainer, sampled_batch, trainer_logprobs  # noqa: E402
 
 from megatron_rl.rollout import SamplingParams, SGLangGenerator  # noqa: E402
-from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
-                                 RLTrainer, TrainerSettings)
 
 NUM_TOKENS = 200
 NUM_REQUESTS = 4
@@ -175,11 +173,7 @@ class Run:
 
         self.model_dir, self.url = model_dir, url
         self.family = family_for(model_dir)
-        self.trainer = RLTrainer(TrainerSettings(
-            model_name="test", model_size="tiny", layout=ParallelLayout(), precision="fp32",
-            loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
-            optimizer=OptimizerSettings(lr=3e-2, lr_warmup_steps=0, clip_grad=0.0),
-            micro_batch_max_tokens=4096, seed=7), family=self.family)
+        self.trainer = make_trainer(self.family)
         self.generator = SGLangGenerator(url, request_timeout_s=240, max_retries=2)
         # Small buckets (16 KiB): a sync takes many buckets, so a failure can leave a partial
         # load behind.

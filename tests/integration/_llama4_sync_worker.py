@@ -20,13 +20,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
-from _weight_sync_worker import (finish, max_abs_diff, trainer_logprobs,  # noqa: E402
-                                 train_on_generator_samples)
+from _weight_sync_worker import (finish, make_trainer, max_abs_diff,  # noqa: E402
+                                 trainer_logprobs, train_on_generator_samples)
 
 from megatron_rl.rollout import (SamplingParams, SGLangGenerator,  # noqa: E402
                                  wait_for_health)
-from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
-                                 RLTrainer, TrainerSettings)
+from megatron_rl.trainer import ParallelLayout, RLTrainer  # noqa: E402
 
 LAYOUT = ParallelLayout(tensor_model_parallel_size=2, expert_model_parallel_size=2,
                         expert_tensor_parallel_size=1, sequence_parallel=True)
@@ -93,14 +92,11 @@ def main() -> None:
 
     model_dir, url, out_path = sys.argv[1:4]
     family = family_for(model_dir)
-    trainer = RLTrainer(TrainerSettings(
-        model_name="llama4", model_size="tiny", layout=LAYOUT, precision="bf16",
-        loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
-        optimizer=OptimizerSettings(lr=3e-2, lr_warmup_steps=0, clip_grad=0.0),
-        micro_batch_max_tokens=4096, seed=7,
+    trainer = make_trainer(
+        family, LAYOUT, model_name="llama4", precision="bf16",
         # Random init of the full weights, then sliced: on CPU, Megatron's per-TP-rank init
         # gives every TP rank the same shard (duplicated vocab rows tie the greedy argmax).
-        config_overrides={"use_cpu_initialization": True}), family=family)
+        config_overrides={"use_cpu_initialization": True})
     rank = torch.distributed.get_rank()
     generator = SGLangGenerator(url, request_timeout_s=120, max_retries=2)
     result: dict = {}

@@ -23,11 +23,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
+from _weight_sync_worker import make_trainer  # noqa: E402
 
 from megatron_rl.rollout import SamplingParams, SGLangGenerator, wait_for_health  # noqa: E402
 from megatron_rl.rollout.samples import Segment, assemble_sample  # noqa: E402
-from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
-                                 RLTrainer, TrainBatch, TrainerSettings, pack_micro_batches)
+from megatron_rl.trainer import RLTrainer, TrainBatch, pack_micro_batches  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 99], [200, 4, 31], [2, 30, 45, 61, 19], [7, 7, 250, 13, 6, 90]]  # < vocab
 MAX_NEW_TOKENS = 24
@@ -100,11 +100,7 @@ def main() -> None:
 
     model_dir, url, out_path = sys.argv[1:4]
     family = family_for(model_dir)
-    trainer = RLTrainer(TrainerSettings(
-        model_name="test", model_size="tiny", layout=ParallelLayout(), precision="fp32",
-        loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
-        optimizer=OptimizerSettings(lr=1e-2, lr_warmup_steps=0, clip_grad=0.0),
-        micro_batch_max_tokens=4096, seed=7, routing_replay_compare=True), family=family)
+    trainer = make_trainer(family, lr=1e-2, routing_replay_compare=True)
     round_to_bf16(trainer)
     wait_for_health(url, timeout_s=240)
     generator = SGLangGenerator(url, request_timeout_s=120, max_retries=2,

@@ -24,11 +24,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
-from _weight_sync_worker import SEQUENCES, finish, train_on_generator_samples  # noqa: E402
+from _weight_sync_worker import (SEQUENCES, finish, make_trainer,  # noqa: E402
+                                 train_on_generator_samples)
 
 from megatron_rl.rollout import SGLangGenerator  # noqa: E402
-from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
-                                 RLTrainer, TrainBatch, TrainerSettings)
+from megatron_rl.trainer import ParallelLayout, RLTrainer, TrainBatch  # noqa: E402
 
 LAYOUTS = {
     "tp2": ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True),
@@ -74,12 +74,8 @@ def main() -> None:
 
     model_dir, url, out_path, layout = sys.argv[1:5]
     family = family_for(model_dir)
-    trainer = RLTrainer(TrainerSettings(
-        model_name="test", model_size="tiny", layout=LAYOUTS[layout], precision="fp32",
-        loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
-        optimizer=OptimizerSettings(lr=3e-2, lr_warmup_steps=0, clip_grad=0.0),
-        micro_batch_max_tokens=4096, seed=7,
-        config_overrides={"use_cpu_initialization": True}), family=family)
+    trainer = make_trainer(family, LAYOUTS[layout],
+                           config_overrides={"use_cpu_initialization": True})
     rank = torch.distributed.get_rank()
     generator = SGLangGenerator(url, num_ranks=None, request_timeout_s=120, max_retries=2)
     result: dict = {"layout": layout, "engine_ranks": generator.num_ranks}

@@ -172,16 +172,24 @@ def tempered_check(trainer: RLTrainer, sampled) -> dict:
                                          .abs().max())}
 
 
+def make_trainer(family, layout: ParallelLayout | None = None, *, model_name: str = "test",
+                 precision: str = "fp32", lr: float = 3e-2, **settings) -> RLTrainer:
+    """The tiny trainer the sync workers check against: CISPO with prompt aggregation, 64-token
+    log-prob chunks, no warm-up or clipping, seed 7; `settings` go to TrainerSettings."""
+    return RLTrainer(TrainerSettings(
+        model_name=model_name, model_size="tiny", layout=layout or ParallelLayout(),
+        precision=precision,
+        loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
+        optimizer=OptimizerSettings(lr=lr, lr_warmup_steps=0, clip_grad=0.0),
+        micro_batch_max_tokens=4096, seed=7, **settings), family=family)
+
+
 def main() -> None:
     from megatron_rl.weight_sync import WeightSync, WeightSyncError, WeightSyncSettings
 
     model_dir, url, out_path, layout = sys.argv[1:5]
     family = family_for(model_dir)
-    trainer = RLTrainer(TrainerSettings(
-        model_name="test", model_size="tiny", layout=LAYOUTS[layout], precision="fp32",
-        loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=64),
-        optimizer=OptimizerSettings(lr=3e-2, lr_warmup_steps=0, clip_grad=0.0),
-        micro_batch_max_tokens=4096, seed=7), family=family)
+    trainer = make_trainer(family, LAYOUTS[layout])
     rank = torch.distributed.get_rank()
     generator = SGLangGenerator(url, request_timeout_s=120, max_retries=2)
     result: dict = {"layout": layout}
