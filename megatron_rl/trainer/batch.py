@@ -10,6 +10,14 @@ real tokens' outputs independent of trailing padding, and Megatron's local (non-
 packed-sequence (THD) kernel; padded tokens are excluded from MoE routing through `padding_mask`.
 Token t's log-prob is predicted at position t-1, so a completion of L tokens contributes L-1
 positions whose targets are tokens 1..L-1 and whose loss mask is `loss_mask[1:]`.
+
+Context parallelism (CP size c > 1): all CP ranks of a data-parallel rank pack the same
+micro-batches, padded to a multiple of 2c (times TP under sequence parallelism), and each keeps
+its load-balanced slice of every per-position field (`split_for_context_parallel`): the sequence
+cut into 2c chunks, rank r keeping chunks r and 2c-1-r, the layout megatron-core's RoPE and
+Transformer Engine's CP attention assume (megatron.core.utils.get_batch_on_this_cp_rank).
+Targets, masks and old log-probs travel with their positions, so the loss head and the loss are
+computed on local positions only.
 """
 from __future__ import annotations
 
@@ -222,6 +230,42 @@ def padding_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
         old_logprobs=torch.zeros(1, length), advantages=torch.zeros(1, length),
         sample_index=zeros.clone(), prompt_index=zeros.clone(),
         padding_mask=torch.zeros(1, length, dtype=torch.bool))
+
+
+def load_balanced_positions(seq_len: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Global positions [seq_len / cp_size] (int64) that context-parallel rank `cp_rank` holds of
+    a sequence of `seq_len` positions, in its local order: Megatron's load-balanced layout (the
+    sequence cut into 2 * cp_size equal chunks, rank r keeps chunk r then chunk 2 * cp_size - 1 - r,
+    so every rank gets the same share of causal-attention work). `seq_len` must be a multiple of
+    2 * cp_size."""
+    if cp_size == 1:
+        return torch.arange(seq_len)
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"context parallelism over {cp_size} ranks needs sequences padded to a "
+                         f"multiple of 2 * {cp_size}; got length {seq_len}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} is outside [0, {cp_size})")
+    chunk = seq_len // (2 * cp_size)
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
+                      torch.arange((2 * cp_size - 1 - cp_rank) * chunk,
+                                   (2 * cp_size - cp_rank) * chunk)])
+
+
+def split_for_context_parallel(micro_batch: MicroBatch, cp_rank: int,
+                               cp_size: int) -> MicroBatch:
+    """Context-parallel rank `cp_rank`'s slice of `micro_batch` (padded to a multiple of
+    2 * cp_size): every per-position field [b, s, ...] -> [b, s / cp_size, ...] at the global
+    positions `load_balanced_positions` names (chunks r and 2c-1-r).
+    position_ids keep their global values. cp_size 1 returns the micro-batch unchanged."""
+    if cp_size == 1:
+        return micro_batch
+    if micro_batch.entropy is not None:
+        raise ValueError("split_for_context_parallel: the micro-batch was already run (entropy "
+                         "set); split it before the forward pass")
+    keep = load_balanced_positions(micro_batch.input_ids.shape[1], cp_rank, cp_size)
+    fields = {f.name: getattr(micro_batch, f.name) for f in dataclasses.fields(MicroBatch)}
+    return MicroBatch(**{name: None if value is None else value.index_select(1, keep)
+                         for name, value in fields.items()})
 
 
 def _padded_length(num_positions: int, multiple: int) -> int:

@@ -183,9 +183,11 @@ def _init_empty_optimizer_state(optimizer) -> None:
 def _rng_object(groups: ParallelGroups, rng: dict):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    # One object per (pp, tp) coordinate; data-parallel replicas hold the same seed stream.
+    # One object per (pp, tp) coordinate; data- and context-parallel replicas hold the same seed
+    # stream (one replica id each over dp x cp: two CP ranks with one id are duplicate keys).
     return ShardedObject("rng_state", rng, (groups.pp_size, groups.tp_size),
-                         (groups.pp_rank, groups.tp_rank), replica_id=groups.dp_rank)
+                         (groups.pp_rank, groups.tp_rank),
+                         replica_id=groups.dp_rank * groups.cp_size + groups.cp_rank)
 
 
 def _rng_state() -> dict:

@@ -14,6 +14,7 @@ denominators, so gradients are plain sums over micro-batches and ranks (see step
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -90,16 +91,66 @@ def rl_overrides(layout: ParallelLayout) -> dict[str, Any]:
     }
 
 
-def check_context_parallel(layout: ParallelLayout, *, use_transformer_engine: bool) -> None:
-    """Context parallelism splits each sequence over CP ranks inside the attention kernel, which
-    only Transformer Engine's attention does (ring attention over CP); the local spec's
-    attention would silently attend within each rank's slice only."""
-    if layout.context_parallel_size > 1 and not use_transformer_engine:
+# Transformer Engine's CP communication schemes (TransformerConfig.cp_comm_type) and the one the
+# local spec's SDPACoreAttention implements (models/sdpa_attention.py).
+TE_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+LOCAL_CP_COMM_TYPES = ("all_gather",)
+
+
+def check_context_parallel(layout: ParallelLayout, *, use_transformer_engine: bool,
+                           cp_comm_type: str | list[str] | None = None,
+                           environ: dict[str, str] | None = None) -> None:
+    """What context parallelism (CP > 1) needs of the attention backend, checked before building.
+
+    Every CP rank holds a load-balanced slice of each sequence (trainer/batch.py pads to a
+    multiple of 2 * CP, times TP under sequence parallelism, so the lengths always divide).
+    - Transformer Engine (GPU): its CP attention, with `cp_comm_type` one of TE_CP_COMM_TYPES
+      (None: p2p); TE's CP needs the flash or fused attention backend, so both disabled through
+      NVTE_FLASH_ATTN=0 and NVTE_FUSED_ATTN=0 (its unfused backend has no CP) is an error here
+      rather than an assertion deep inside TE.
+    - Local spec (CPU, or use_transformer_engine=False): SDPACoreAttention's exact all-gather
+      path (full keys per rank: a test path, no memory saving), cp_comm_type None / all_gather.
+      Families whose local spec uses megatron-core's DotProductAttention refuse CP themselves.
+    """
+    if layout.context_parallel_size == 1:
+        return
+    comm_types = cp_comm_type if isinstance(cp_comm_type, list) else [cp_comm_type]
+    allowed = TE_CP_COMM_TYPES if use_transformer_engine else LOCAL_CP_COMM_TYPES
+    bad = sorted({c for c in comm_types if c is not None and c not in allowed})
+    if bad:
+        where = "Transformer Engine's CP attention" if use_transformer_engine else \
+            "the local spec's all-gather CP attention (SDPACoreAttention)"
+        raise ValueError(f"cp_comm_type {bad} is not supported by {where}; choose from "
+                         f"{allowed} or leave it unset")
+    environ = os.environ if environ is None else environ
+    if use_transformer_engine and environ.get("NVTE_FLASH_ATTN") == "0" and \
+            environ.get("NVTE_FUSED_ATTN") == "0":
         raise ValueError(
             f"parallelism.context_parallel_size={layout.context_parallel_size} needs Transformer "
-            "Engine attention on a GPU (model.use_transformer_engine=true); the local (CPU) "
-            "spec has no context-parallel attention: set parallelism.context_parallel_size=1 "
-            "here")
+            "Engine's flash or fused attention (its unfused backend has no context "
+            "parallelism), but NVTE_FLASH_ATTN=0 and NVTE_FUSED_ATTN=0; unset one of them")
+
+
+def use_cpu_rope_context_parallel_split() -> None:
+    """megatron-core's RoPE picks each CP rank's positions (`get_pos_emb_on_this_cp_rank`) with a
+    pin_memory=True index, which a CPU-only torch refuses ("pin_memory=True requires a CUDA ...").
+    Without CUDA, rebind it in rotary_pos_embedding to the same load-balanced selection without
+    pinning (trainer/batch.py load_balanced_positions). No-op on GPU."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    from megatron_rl.trainer.batch import load_balanced_positions
+
+    if getattr(rotary_pos_embedding.get_pos_emb_on_this_cp_rank, "cpu_safe", False):
+        return
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        keep = load_balanced_positions(pos_emb.shape[seq_dim], cp_group.rank(), cp_group.size())
+        return pos_emb.index_select(seq_dim, keep.to(pos_emb.device))
+
+    get_pos_emb_on_this_cp_rank.cpu_safe = True
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
 def recompute_overrides(granularity: str) -> dict[str, Any]:
@@ -136,9 +187,12 @@ def build_model(family, size: str, layout: ParallelLayout, groups: ParallelGroup
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.module import Float16Module
 
-    check_context_parallel(layout, use_transformer_engine=precision.use_transformer_engine)
     overrides = {**precision.overrides, **rl_overrides(layout), **cpu_overrides(),
                  **(config_overrides or {})}
+    check_context_parallel(layout, use_transformer_engine=precision.use_transformer_engine,
+                           cp_comm_type=overrides.get("cp_comm_type"))
+    if layout.context_parallel_size > 1:
+        use_cpu_rope_context_parallel_split()
     if overrides.get("recompute_granularity") and not torch.cuda.is_available():
         raise ValueError(
             f"train.recompute_granularity={overrides['recompute_granularity']!r} needs a CUDA "

@@ -81,6 +81,19 @@ class ParallelGroups:
     tp_size: int
     pp_size: int
     dp_size: int
+    # Context parallelism: each sequence split over the CP ranks (load-balanced, trainer/batch.py).
+    # dp_cp is the group Megatron DDP reduces dense gradients over (data parallel WITH context
+    # parallel); None: no CP, the same as dp.
+    cp: torch.distributed.ProcessGroup | None = None
+    dp_cp: torch.distributed.ProcessGroup | None = None
+    cp_rank: int = 0
+    cp_size: int = 1
+
+    @property
+    def data_group(self) -> torch.distributed.ProcessGroup:
+        """The ranks whose tokens together make the global batch at one (TP, PP) coordinate:
+        data parallel x context parallel. Per-token statistics are summed over it."""
+        return self.dp_cp if self.dp_cp is not None else self.dp
 
     @property
     def is_pipeline_first_stage(self) -> bool:
@@ -108,6 +121,10 @@ class ParallelGroups:
             tp_size=ps.get_tensor_model_parallel_world_size(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             dp_size=ps.get_data_parallel_world_size(),
+            cp=ps.get_context_parallel_group(),
+            dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_size=ps.get_context_parallel_world_size(),
         )
 
 

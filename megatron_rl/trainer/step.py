@@ -24,6 +24,16 @@ gradient of the sum of all shards' losses = the single-rank aggregate, under any
 micro-batching. Under TP every rank holds the same loss and Megatron's region ops make the
 gradients exact. The router's auxiliary load-balancing loss, if the model family enables one, is
 NOT rescaled this way (it is summed over micro-batches and DP ranks): RL runs use coefficient 0.
+
+Context parallelism (CP). Each CP rank holds a load-balanced slice of every sequence (batch.py)
+with its targets and masks, so the head and the token losses are local; the weights still carry
+the global denominators, so the CP ranks' losses sum to the CP 1 micro-batch loss. The attention
+exchanges keys and values across CP ranks and its backward sends their gradients back (TE's CP
+attention on GPU; the all-gather / reduce-scatter of models/sdpa_attention.py on CPU), so each
+rank's parameter gradient is its share of the CP 1 gradient, and Megatron DDP, which reduces
+dense gradients over data parallel WITH context parallel, sums them (with
+calculate_per_token_loss it neither averages over dp x cp nor multiplies the loss by CP): no
+rescaling is needed. The statistics are summed over the same dp x cp group.
 """
 from __future__ import annotations
 
@@ -91,7 +101,9 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
     try:
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=model,
-            num_microbatches=len(micro_batches), seq_length=first.input_ids.shape[1],
+            # Megatron's seq_length is the full sequence (it divides by CP for P2P shapes).
+            num_microbatches=len(micro_batches),
+            seq_length=first.input_ids.shape[1] * groups.cp_size,
             micro_batch_size=first.input_ids.shape[0], forward_only=forward_only)
     finally:
         if replay is not None:
@@ -108,8 +120,10 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
     for out in outputs:  # only the last pipeline stage has outputs
         stats += out["stats"]
         largest = torch.maximum(largest, out["abs_logp_diff_max"])
-    torch.distributed.all_reduce(stats, group=groups.dp)
-    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=groups.dp)
+    # Data x context parallel: each CP rank's sums cover its own slice of the sequences.
+    torch.distributed.all_reduce(stats, group=groups.data_group)
+    torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX,
+                                 group=groups.data_group)
     if groups.pp_size > 1:
         torch.distributed.broadcast(stats, src=groups.pipeline_last_rank, group=groups.pp)
         torch.distributed.broadcast(largest, src=groups.pipeline_last_rank, group=groups.pp)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from megatron_rl.trainer.batch import (TrainBatch, pack_micro_batches, padding_micro_batch,
-                                       shard_for_data_parallel)
+                                       shard_for_data_parallel, split_for_context_parallel)
 from megatron_rl.trainer.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from megatron_rl.trainer.model import build_model, precision_overrides, recompute_overrides
 from megatron_rl.trainer.optimizer import OptimizerSettings, build_optimizer
@@ -151,28 +151,26 @@ class RLTrainer:
 
     @property
     def pad_to_multiple(self) -> int:
-        # Sequence parallelism splits the sequence dimension over TP ranks.
-        return self.groups.tp_size if self.layout.sequence_parallel else 1
+        # Sequence parallelism splits the sequence dimension over TP ranks; context parallelism
+        # into 2 * CP load-balanced chunks, each rank's half-chunks then split over TP.
+        multiple = self.groups.tp_size if self.layout.sequence_parallel else 1
+        return multiple * (2 * self.groups.cp_size if self.groups.cp_size > 1 else 1)
 
     def micro_batches(self, batch: TrainBatch) -> list:
-        """This rank's micro-batches; every data-parallel rank gets the same number."""
-        if self.layout.context_parallel_size > 1:
-            # The model is built with CP (TE attention), but each CP rank must get its slices of
-            # the packed sequences (TE's THD partitioning) and the loss stats reduce over CP.
-            raise NotImplementedError(
-                "parallelism.context_parallel_size > 1: the split of packed micro-batches over "
-                "context-parallel ranks is not implemented yet; use CP 1 with "
-                "train.recompute_granularity=full (see `megatron-rl plan`)")
+        """This rank's micro-batches; every data-parallel and context-parallel rank gets the same
+        number. Under CP all ranks of a CP group pack the same completions (they share the
+        data-parallel rank) and each keeps its load-balanced slice of every micro-batch."""
         indices = shard_for_data_parallel(batch, self.groups.dp_rank, self.groups.dp_size)
         micro_batches = pack_micro_batches(batch, indices,
                                            max_tokens=self.settings.micro_batch_max_tokens,
                                            pad_to_multiple=self.pad_to_multiple)
         count = torch.tensor(len(micro_batches))
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.groups.dp)
+                                     group=self.groups.data_group)
         micro_batches += [padding_micro_batch(self.pad_to_multiple)
                           for _ in range(int(count) - len(micro_batches))]
-        return micro_batches
+        return [split_for_context_parallel(m, self.groups.cp_rank, self.groups.cp_size)
+                for m in micro_batches]
 
     def replay_mode(self, batch: TrainBatch, replay: bool | None = None) -> str | None:
         """How the routers treat `batch`: "replay" the generator's experts, "observe" (route

@@ -12,9 +12,16 @@ What it lacks, and this module adds without forking Megatron code:
     computes it exactly and in O(seq * chunk).
   * NoPE layers: attention temperature tuning - the query at position p is multiplied by
     1 + attn_scale * log(1 + floor((p + 1) / floor_scale)) (positions restart per packed sequence).
-Behaviour is decided from the global 1-based layer number each module receives. Context
-parallelism and Megatron's own KV-cache inference are not supported on Llama-4 layers (they would
-need chunk/position offsets); both raise. Generation runs in SGLang.
+Behaviour is decided from the global 1-based layer number each module receives. Megatron's own
+KV-cache inference is not supported on Llama-4 layers (it raises); generation runs in SGLang.
+
+Context parallelism (CP > 1, right-padded sbhd rows in Megatron's load-balanced layout, see
+models/sdpa_attention.py): temperature tuning scales each local query by its GLOBAL position, on
+either backend. Chunked local attention works on the local spec only: SDPACoreAttention's
+all-gather CP path masks keys outside the query's global chunk (exact, O(s^2), the CPU test path).
+Transformer Engine's CP attention has no chunked-local mask and folding chunks into the batch
+needs contiguous sequences, so Llama-4's RoPE (chunked) layers with TE and CP > 1 raise at
+construction; packed (thd) sequences with CP raise too.
 """
 from __future__ import annotations
 
@@ -27,7 +34,8 @@ from torch import Tensor
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
-from models.sdpa_attention import SDPACoreAttention
+from megatron_rl.trainer.batch import load_balanced_positions
+from models.sdpa_attention import SDPACoreAttention, context_parallel_group
 
 
 class Llama4SelfAttention(SelfAttention):
@@ -96,12 +104,17 @@ class Llama4CoreAttention(MegatronModule):
         self.llama4_temperature_tuning = config.attn_temperature_tuning and not is_rope_layer
         self.llama4_floor_scale = config.floor_scale
         self.llama4_attn_scale = config.attn_scale
-        if config.context_parallel_size > 1 and (
-                self.llama4_chunk_size is not None or self.llama4_temperature_tuning):
-            raise NotImplementedError(
-                "Llama-4 chunked attention / temperature tuning with context parallelism needs "
-                "per-rank position offsets, which are not implemented; use "
-                "context_parallel_size=1")
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            if self.llama4_chunk_size is not None and \
+                    not isinstance(self.backend, SDPACoreAttention):
+                raise NotImplementedError(
+                    f"Llama-4 chunked local attention (RoPE layer {layer_number}) with "
+                    f"context_parallel_size={config.context_parallel_size} is implemented on the "
+                    "local spec's SDPACoreAttention only (the CPU all-gather path); Transformer "
+                    "Engine's CP attention has no chunked-local mask. Use "
+                    "context_parallel_size=1 for Llama-4 on GPU")
+            self.cp_group = context_parallel_group(kwargs.get("pg_collection"))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                 attn_mask_type=None, attention_bias: Tensor | None = None,
@@ -111,8 +124,17 @@ class Llama4CoreAttention(MegatronModule):
             raise NotImplementedError(
                 "Llama-4 layers do not support Megatron's KV-cache inference (query and key "
                 "lengths differ); generate with SGLang")
+        cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        if cp_size > 1 and packed_seq_params is not None:
+            raise NotImplementedError("Llama-4 layers with context parallelism take right-padded "
+                                      "sbhd rows, not packed sequences")
         if self.llama4_temperature_tuning:
             query = self._scale_query(query, packed_seq_params if is_thd else None)
+        if cp_size > 1 and self.llama4_chunk_size is not None:
+            # Local positions are two non-contiguous global pieces: mask chunks by global position.
+            return self.backend(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                attention_bias=attention_bias,
+                                attention_chunk_size=self.llama4_chunk_size, **kwargs)
         if self.llama4_chunk_size is None:
             return self.backend(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                 attention_bias=attention_bias,
@@ -127,8 +149,11 @@ class Llama4CoreAttention(MegatronModule):
 
     def _scale_query(self, query: Tensor, packed_seq_params: PackedSeqParams | None) -> Tensor:
         num_tokens = query.shape[0]
-        if packed_seq_params is None:  # sbhd: [s, b, np, hn]
-            positions = torch.arange(num_tokens, device=query.device)
+        if packed_seq_params is None:  # sbhd: [s, b, np, hn]; under CP the global positions
+            cp_size = self.cp_group.size() if self.cp_group is not None else 1
+            rank = self.cp_group.rank() if cp_size > 1 else 0
+            positions = load_balanced_positions(num_tokens * cp_size, rank, cp_size).to(
+                query.device)
             shape = (num_tokens, 1, 1, 1)
         else:  # thd: [t, np, hn]
             positions = packed_positions(packed_seq_params.cu_seqlens_q, num_tokens)

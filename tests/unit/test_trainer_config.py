@@ -62,14 +62,19 @@ def test_parallel_layout_checks():
         ParallelLayout(tensor_model_parallel_size=4).data_parallel_size(6)
     with pytest.raises(ValueError, match="sequence_parallel"):
         ParallelLayout(sequence_parallel=True)
-    # CP builds only with Transformer Engine attention (GPU); on the local spec it is an error.
+    # CP builds with Transformer Engine's CP attention (GPU) or the local spec's all-gather path;
+    # a communication scheme the backend lacks, or TE without flash and fused attention, is refused.
     from megatron_rl.trainer.model import check_context_parallel
 
     cp = ParallelLayout(context_parallel_size=2)
     assert cp.megatron_overrides()["context_parallel_size"] == 2
-    check_context_parallel(cp, use_transformer_engine=True)
-    with pytest.raises(ValueError, match="context_parallel_size=2 needs Transformer Engine"):
-        check_context_parallel(cp, use_transformer_engine=False)
+    check_context_parallel(cp, use_transformer_engine=True, cp_comm_type="p2p")
+    check_context_parallel(cp, use_transformer_engine=False)
+    with pytest.raises(ValueError, match=r"cp_comm_type \['p2p'\] is not supported by the local"):
+        check_context_parallel(cp, use_transformer_engine=False, cp_comm_type="p2p")
+    with pytest.raises(ValueError, match="NVTE_FLASH_ATTN=0 and NVTE_FUSED_ATTN=0"):
+        check_context_parallel(cp, use_transformer_engine=True,
+                               environ={"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0"})
 
 
 def test_optimizer_defaults_are_scalerl():

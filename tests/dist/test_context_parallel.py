@@ -1,0 +1,89 @@
+"""Context parallelism (CP) through the trainer on 4 CPU ranks with gloo, one torchrun launch of
+tests/dist/_context_parallel_worker.py (see its docstring):
+- SDPACoreAttention's all-gather CP path (local queries, all-gathered keys/values, causal mask in
+  global positions; also Llama-4's chunked mask) equals full attention, outputs and gradients;
+- the trainer's load-balanced split of packed micro-batches equals megatron-core's own
+  get_batch_on_this_cp_rank on every rank;
+- one RL step at CP 2 (DP 2) gives CP 1's (DP 4) loss, gradient norm and updated parameters for
+  the llama, qwen3_moe and llama4 tiny families, with uneven completion lengths; and at
+  TP 2 + SP with CP 2 (DP 1) the same loss and gradient norm; llama4's checkpoint saved at
+  TP 2 + SP + CP 2 and loaded at CP 1 holds CP 1's updated parameters.
+"""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+WORKER = Path(__file__).parent / "_context_parallel_worker.py"
+# Float32 end to end; the layouts sum partial results in different orders.
+REL_TOL = 1e-5
+FAMILIES = ("llama", "qwen3_moe", "llama4")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory, torchrun) -> dict:
+    out_dir = tmp_path_factory.mktemp("context_parallel")
+    start = time.monotonic()
+    torchrun(WORKER, [str(out_dir)], num_ranks=4, timeout_s=360)
+    measured = json.loads((out_dir / "result.json").read_text())
+    measured["wall_s"] = time.monotonic() - start
+    return measured
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= REL_TOL * max(abs(a), abs(b), 1e-12)
+
+
+@pytest.mark.parametrize("mask", ["causal", "chunked"])
+def test_all_gather_attention_equals_full_attention(result, mask):
+    got = result["attention"][mask]
+    assert got["local_shape"] == [12, 3, 128]  # half of the 24 positions on each CP rank
+    assert got["out_max_abs_diff"] < 1e-5, got
+    assert max(got["grad_max_abs_diff"]) < 1e-5, got  # q, k, v
+    assert result["attention"]["chunk_mask_effect"] > 1e-2  # the chunk mask is not vacuous
+
+
+def test_split_matches_megatron_core(result):
+    split = result["split"]
+    assert split["mismatched_fields"] == []
+    # Packed lengths (padded to 2 * CP = 4) halve; the padding micro-batch too.
+    assert all(local[1] * 2 == full[1] and local[0] == full[0]
+               for full, local in split["shapes"]), split["shapes"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cp2_step_equals_cp1_step(result, family):
+    got = result["rl_step"][family]
+    cp1, cp2 = got["cp1"], got["cp2"]
+    assert (cp1["cp_size"], cp1["dp_size"], cp2["cp_size"], cp2["dp_size"]) == (1, 4, 2, 2)
+    assert got["start_max_abs_diff"] == 0.0  # the same initial weights
+    assert _close(cp2["loss"], cp1["loss"]), got
+    assert _close(cp2["grad_norm"], cp1["grad_norm"]), got
+    assert cp2["num_loss_tokens"] == cp1["num_loss_tokens"] == 27
+    assert cp2["num_tokens"] == got["true_num_tokens"] == 49  # no position counted twice
+    # Each CP rank holds half of its padded micro-batches (padded to 2 * CP).
+    assert all(n % 2 == 0 for n in cp2["local_seq_lens"]), cp2
+    # The update is ~lr = 1e-3 per weight; the layouts agree to float32 rounding.
+    assert cp2["max_abs_update"] > 5e-4
+    assert got["param_max_abs_diff"] < 1e-7, got
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_sp_cp2_step_equals_cp1_step(result, family):
+    got = result["rl_step"][family]
+    cp1, tp_cp = got["cp1"], got["tp2_sp_cp2"]
+    assert (tp_cp["tp_size"], tp_cp["cp_size"], tp_cp["dp_size"]) == (2, 2, 1)
+    assert _close(tp_cp["loss"], cp1["loss"]), got
+    assert _close(tp_cp["grad_norm"], cp1["grad_norm"]), got
+    assert tp_cp["num_tokens"] == got["true_num_tokens"]
+    # Padded to 2 * CP * TP = 8: local lengths are multiples of 4, split again over TP by SP.
+    assert all(n % 4 == 0 for n in tp_cp["local_seq_lens"]), tp_cp
+
+
+def test_checkpoint_saved_at_cp2_loads_at_cp1_with_the_same_update(result):
+    got = result["rl_step"]["llama4"]["tp2_sp_cp2"]
+    assert got["checkpoint_max_abs_update"] > 5e-4  # the step's update is in the checkpoint
+    assert got["checkpoint_param_max_abs_diff"] < 1e-7, got
