@@ -45,6 +45,13 @@ breaks without it (CPU_STACK.md, verified by switching it off):
    as another process (a second server, a trainer rank) grows by more than mem_fraction_static of
    free memory meanwhile. When max_total_tokens is set the pool is that size anyway; the wrapper
    then gives the profile the room for it instead of failing. See `_kv_budget_for_max_tokens`.
+12. Start-up cost, not correctness: SGLang starts its scheduler(s) and detokenizer with
+   multiprocessing's spawn, so each child imports torch, transformers and sglang again (~10 s of
+   CPU each, ~2/3 of a tiny server's start on 2 cores). On CPU the children are forked from a
+   forkserver instead, which imports all that once, with these fixes applied, before any thread
+   or OpenMP pool exists (`megatron_rl.platform.sglang_forkserver`). The children's pickled
+   arguments and the `__mp_main__` re-import are as with spawn. See `_start_children_forked`
+   (MEGATRON_RL_SGLANG_SPAWN=1 switches it off).
 """
 from __future__ import annotations
 
@@ -84,6 +91,8 @@ def apply_sglang_cpu_fixes() -> bool:
         _patch_on_import("sglang.srt.weight_sync.tensor_bucket", _patch_tensor_bucket)
         _patch_on_import("sglang.srt.state_capturer.base", _patch_routed_experts_host_cache)
         _patch_on_import("sglang.srt.mem_cache.kv_cache_configurator", _patch_kv_budget)
+        if os.environ.get(SPAWN_CHILDREN_ENV) != "1":
+            _patch_on_import("sglang.srt.entrypoints.engine", _patch_child_start_method)
         if os.environ.get(SAMPLING_SEEDS_ENV) == "1":
             _patch_on_import("sglang.srt.sampling.sampling_batch_info", _patch_sampling_seeds)
         _applied = True
@@ -495,3 +504,37 @@ def _patch_kv_budget(module) -> None:
     configurator = module.KVCacheConfigurator
     configurator._profile_available_bytes = _kv_budget_for_max_tokens(
         configurator._profile_available_bytes, module.get_schedule)
+
+
+# 12. SGLang's children forked from a preloaded forkserver instead of spawned (start-up cost).
+#     SGLang sets the start method to spawn in `_set_envs_and_config`, just before it starts
+#     the scheduler and detokenizer processes; the wrapper switches to forkserver right after.
+#     The forkserver process is spawned once per server on the first child's start (with the
+#     environment SGLang has set up by then) and preloads `megatron_rl.platform.sglang_forkserver`:
+#     these fixes, the scheduler and detokenizer modules, and a SIGQUIT relay (SGLang's children
+#     report a crash with SIGQUIT to their parent process, which is now the forkserver; the relay
+#     passes it on to the server process, whose handler ends the server as before). The children
+#     still exit with their parent chain (PR_SET_PDEATHSIG; the forkserver exits when the server
+#     process does). The server's child environment tweaks that happen per child start (NUMA
+#     binding, GPU memory saver) are GPU features; this fix is CPU-only like the others.
+#     MEGATRON_RL_SGLANG_SPAWN=1 in the server's environment keeps SGLang's spawn (a fallback,
+#     and the baseline of benchmarks/sglang_start.py).
+FORKSERVER_PRELOAD = ("megatron_rl.platform.sglang_forkserver",)
+SPAWN_CHILDREN_ENV = "MEGATRON_RL_SGLANG_SPAWN"
+
+
+def _start_children_forked(set_envs_and_config):
+    @functools.wraps(set_envs_and_config)
+    def wrapper(*args, **kwargs):
+        import multiprocessing
+
+        result = set_envs_and_config(*args, **kwargs)
+        multiprocessing.set_start_method("forkserver", force=True)
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        return result
+
+    return wrapper
+
+
+def _patch_child_start_method(module) -> None:
+    module._set_envs_and_config = _start_children_forked(module._set_envs_and_config)

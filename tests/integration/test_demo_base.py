@@ -11,11 +11,20 @@ vs its FP32 run; mean 0.02), so SGLang must stay within MEAN_TOLERANCE on averag
 transformers' own bf16 worst case (measured: mean 0.018, max 0.20). The same check against
 transformers with chunking switched off fails by far more past the first chunk (measured: mean
 1.15), so the comparison sees the chunked attention.
+
+Then, on the same server: SIGKILL to the server process alone (a crashed or killed generator)
+ends every process of it. On CPU SGLang's scheduler and detokenizer are forked from a forkserver
+(platform/sglang_cpu.py, fix 12), so this checks the chain that fix relies on: the forkserver ends
+with the server process, the children with the forkserver.
 """
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -88,3 +97,28 @@ def test_sglang_serves_the_demo_size_like_transformers(served_demo_size):
           f"mean {gap[:, chunk:].mean():.4f}")
     assert gap[:, chunk:].mean() > 10 * MEAN_TOLERANCE
     assert gap[:, :chunk - 1].mean() < MEAN_TOLERANCE  # the first chunk is the same either way
+
+
+def test_sigkill_of_the_server_process_ends_all_of_its_processes(served_demo_size):
+    _, generator = served_demo_size
+    server = generator.server
+    children = psutil.Process(server.process.pid).children(recursive=True)
+    names = {" ".join(p.cmdline()) for p in children}
+    assert any("sglang::scheduler" in n for n in names), names
+    assert any("multiprocessing.forkserver" in n for n in names), names  # fix 12 is active
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.process.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        alive = [p for p in children if _alive(p)]
+        if not alive:
+            break
+        time.sleep(0.5)
+    assert not alive, [" ".join(p.cmdline()) for p in alive]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
