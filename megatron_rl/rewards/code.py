@@ -53,6 +53,11 @@ _ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.
                ast.Pow: operator.pow}
 _MAX_CONSTANT_BITS = 4096
 _MAX_CONSTANT_DEPTH = 50
+# A test's loops are unrolled into at most this many calls (else the checker runs it).
+_MAX_UNROLLED_CHECKS = 1000
+# What a loop may bind: values no call can change (arguments cross as copies, so a list a test
+# passes and reuses could differ from what the original test would see after the call).
+_IMMUTABLE = (int, float, str, bool, type(None), bytes, complex)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,34 +176,61 @@ class _NotConstant(Exception):
     pass
 
 
-def _constant(node: ast.expr) -> tuple[bool, Any]:
+@dataclasses.dataclass(slots=True)
+class _Scope:
+    """What a test's expressions may use here: the values its unrolled loops have bound so far
+    (`env`, immutable values only), and which built-ins and helpers ("abs", "str", "range",
+    "math" once a plain `import math` ran, and every built-in name) the test never rebinds."""
+
+    helpers: frozenset[str] = frozenset()
+    env: dict[str, Any] = dataclasses.field(default_factory=dict)
+    builtins: frozenset[str] = frozenset()
+
+    def with_helpers(self, extra: set[str]) -> _Scope:
+        return _Scope(self.helpers | extra, self.env, self.builtins)
+
+
+_NO_SCOPE = _Scope()
+
+
+def _constant(node: ast.expr, scope: _Scope = _NO_SCOPE) -> tuple[bool, Any]:
     """A literal, or a tuple / list of constants and arithmetic over number literals (`2.0/3.0`,
-    `3 * 19`, `0**0`, `'ab' + 'c'`) evaluated here, with ints bounded in size; (False, None) for
-    anything else."""
+    `3 * 19`, `0**0`, `'ab' + 'c'`), a loop's variable (`x + 1`) or `str` of a constant,
+    evaluated here, with ints bounded in size; (False, None) for anything else."""
     ok, value = _literal(node)
     if ok:
         return ok, value
     try:
-        return True, _evaluate(node, 0)
+        return True, _evaluate(node, 0, scope)
     except (_NotConstant, ArithmeticError, ValueError, TypeError, MemoryError, RecursionError):
         return False, None
 
 
-def _evaluate(node: ast.expr, depth: int) -> Any:
+def _evaluate(node: ast.expr, depth: int, scope: _Scope) -> Any:
     if depth > _MAX_CONSTANT_DEPTH:
         raise _NotConstant
     if isinstance(node, ast.Constant) and type(node.value) in (int, float, str):
         return node.value
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in scope.env:
+        return scope.env[node.id]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "str"
+            and "str" in scope.helpers and len(node.args) == 1 and not node.keywords
+            and not isinstance(node.args[0], ast.Starred)):
+        value = _evaluate(node.args[0], depth + 1, scope)
+        if type(value) not in (int, float, str, bool, type(None)):
+            raise _NotConstant  # str() of these is plain Python, the same here as there
+        return str(value)
     if isinstance(node, (ast.Tuple, ast.List)):
-        items = [_evaluate(item, depth + 1) for item in node.elts]
+        items = [_evaluate(item, depth + 1, scope) for item in node.elts]
         return tuple(items) if isinstance(node, ast.Tuple) else items
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        operand = _evaluate(node.operand, depth + 1)
+        operand = _evaluate(node.operand, depth + 1, scope)
         if not _is_number(operand):
             raise _NotConstant
         return -operand if isinstance(node.op, ast.USub) else operand
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
-        left, right = _evaluate(node.left, depth + 1), _evaluate(node.right, depth + 1)
+        left = _evaluate(node.left, depth + 1, scope)
+        right = _evaluate(node.right, depth + 1, scope)
         if isinstance(node.op, ast.Add) and type(left) is str and type(right) is str:
             return left + right
         if not (_is_number(left) and _is_number(right)):
@@ -216,24 +248,25 @@ def _evaluate(node: ast.expr, depth: int) -> Any:
     raise _NotConstant
 
 
-def _number(node: ast.expr) -> tuple[bool, Any]:
-    ok, value = _constant(node)
+def _number(node: ast.expr, scope: _Scope = _NO_SCOPE) -> tuple[bool, Any]:
+    ok, value = _constant(node, scope)
     return (True, value) if ok and _is_number(value) else (False, None)
 
 
-def _call_of(node: ast.expr, names: set[str]) -> FunctionCall | None:
+def _call_of(node: ast.expr, names: set[str],
+             scope: _Scope = _NO_SCOPE) -> FunctionCall | None:
     """`f(<constants>, k=<constant>)` with f in `names` (the call's function is the program's)."""
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in names):
         return None
     args, kwargs = [], []
     for arg in node.args:
-        ok, value = _constant(arg)
+        ok, value = _constant(arg, scope)
         if not ok or isinstance(arg, ast.Starred):
             return None
         args.append(value)
     for keyword in node.keywords:
-        ok, value = _constant(keyword.value)
+        ok, value = _constant(keyword.value, scope)
         if not ok or keyword.arg is None:
             return None
         kwargs.append((keyword.arg, value))
@@ -241,23 +274,22 @@ def _call_of(node: ast.expr, names: set[str]) -> FunctionCall | None:
 
 
 def _check_of(statement: ast.stmt, names: set[str], function: dict[str, str],
-              helpers: frozenset[str] = frozenset()) -> CallCheck | None:
-    """An assert statement as a CallCheck; None when it is anything else. `helpers`: which of
-    "abs" (the built-in) and "math" (the module) the test can use here."""
+              scope: _Scope = _NO_SCOPE) -> CallCheck | None:
+    """An assert statement as a CallCheck; None when it is anything else."""
     if not isinstance(statement, ast.Assert):
         return None
     test = statement.test
     negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
-    call = _call_of(test.operand if negated else test, names)
+    call = _call_of(test.operand if negated else test, names, scope)
     check = None
     if call is not None:
         check = CallCheck(call, "falsy" if negated else "truthy")
     elif isinstance(test, ast.Compare) and len(test.ops) == 1:
         left, right = test.left, test.comparators[0]
-        call = _call_of(left, names)
+        call = _call_of(left, names, scope)
         if call is None:  # `expected == f(...)`
-            left, right, call = right, left, _call_of(right, names)
-        ok, expected = _constant(right)
+            left, right, call = right, left, _call_of(right, names, scope)
+        ok, expected = _constant(right, scope)
         if call is not None and ok:
             if isinstance(test.ops[0], ast.Eq):
                 check = CallCheck(call, "==", expected)
@@ -265,7 +297,7 @@ def _check_of(statement: ast.stmt, names: set[str], function: dict[str, str],
                     and type(expected) in (bool, type(None)):
                 check = CallCheck(call, "is", expected)
     if check is None:
-        check = _tolerance_check(test, names, helpers)
+        check = _tolerance_check(test, names, scope)
     if check is None:
         return None
     real = function.get(check.call.function, check.call.function)  # candidate -> entry point
@@ -284,20 +316,19 @@ def _helper(node: ast.expr, helpers: frozenset[str]) -> str | None:
     return None
 
 
-def _tolerance_check(test: ast.expr, names: set[str],
-                     helpers: frozenset[str]) -> CallCheck | None:
+def _tolerance_check(test: ast.expr, names: set[str], scope: _Scope) -> CallCheck | None:
     """`abs(f(...) - x) < tol` (or `<=`, `tol > ...`, `math.fabs`, `x - f(...)`) and
     `math.isclose(f(...), x, rel_tol=..., abs_tol=...)` (either order) with number constants."""
-    if isinstance(test, ast.Call) and _helper(test.func, helpers) == "isclose":
+    if isinstance(test, ast.Call) and _helper(test.func, scope.helpers) == "isclose":
         if len(test.args) != 2 or any(isinstance(a, ast.Starred) for a in test.args):
             return None
         tolerances = {}
         for keyword in test.keywords:
-            ok, value = _number(keyword.value)
+            ok, value = _number(keyword.value, scope)
             if not ok or keyword.arg not in ("rel_tol", "abs_tol") or keyword.arg in tolerances:
                 return None
             tolerances[keyword.arg] = value
-        call, expected = _call_and_number(test.args[0], test.args[1], names)
+        call, expected = _call_and_number(test.args[0], test.args[1], names, scope)
         if call is None:
             return None
         return CallCheck(call, "close", expected, Tolerance("isclose", **tolerances))
@@ -312,24 +343,24 @@ def _tolerance_check(test: ast.expr, names: set[str],
             and isinstance(distance.args[0], ast.BinOp)
             and isinstance(distance.args[0].op, ast.Sub)):
         return None
-    form = _helper(distance.func, helpers)
-    ok, bound = _number(bound_node)
+    form = _helper(distance.func, scope.helpers)
+    ok, bound = _number(bound_node, scope)
     if form not in ("abs", "fabs") or not ok:
         return None
     difference = distance.args[0]
-    call, expected = _call_and_number(difference.left, difference.right, names)
+    call, expected = _call_and_number(difference.left, difference.right, names, scope)
     if call is None:
         return None
     return CallCheck(call, "close", expected,
                      Tolerance(form, bound=bound, inclusive=isinstance(op, (ast.LtE, ast.GtE))))
 
 
-def _call_and_number(a: ast.expr, b: ast.expr,
-                     names: set[str]) -> tuple[FunctionCall | None, Any]:
+def _call_and_number(a: ast.expr, b: ast.expr, names: set[str],
+                     scope: _Scope) -> tuple[FunctionCall | None, Any]:
     """(the call, the number) of `f(...)` and a number constant, in either order."""
     for call_node, number_node in ((a, b), (b, a)):
-        call = _call_of(call_node, names)
-        ok, number = _number(number_node)
+        call = _call_of(call_node, names, scope)
+        ok, number = _number(number_node, scope)
         if call is not None and ok:
             return call, number
     return None, None
@@ -363,9 +394,10 @@ def _imports_math(statement: ast.stmt) -> bool:
 
 def convert_test(test: str) -> tuple[CallCheck, ...] | None:
     """A function-call test as plain calls and expected values, when it is only asserts over
-    calls with constant arguments and constant expected values (or tolerances): HumanEval's
-    `def check(candidate): assert candidate(...) == ...` + `check(entry_point)`, or top-level
-    `assert f(...) == ...`. None for anything else (it then runs in the sandbox's checker)."""
+    calls with constant arguments and constant expected values (or tolerances), loops over
+    constants around them, and statements that do nothing: HumanEval's `def check(candidate):
+    assert candidate(...) == ...` + `check(entry_point)`, or top-level `assert f(...) == ...`.
+    None for anything else (it then runs in the sandbox's checker)."""
     try:
         module = ast.parse(test)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
@@ -382,33 +414,137 @@ def convert_test(test: str) -> tuple[CallCheck, ...] | None:
             check_functions[statement.name] = statement
             defined.add(statement.name)
     rebound = _rebound_names(module)
-    helpers = frozenset({"abs"} - rebound)  # "math" once a plain `import math` has run
+    # "math" once a plain `import math` has run
+    scope = _Scope(helpers=frozenset({"abs", "str", "range"} - rebound),
+                   builtins=frozenset(dir(builtins)) - rebound)
+    budget = [_MAX_UNROLLED_CHECKS]
     for statement in module.body:
         if _imports_math(statement) and "math" not in rebound:
-            helpers |= {"math"}
+            scope = scope.with_helpers({"math"})
         if isinstance(statement, (ast.Import, ast.ImportFrom, ast.Assign, ast.FunctionDef)):
             continue  # used only through the statements below
-        if isinstance(statement, ast.Assert):
+        if isinstance(statement, (ast.Assert, ast.For, ast.Pass)) or _does_nothing(statement,
+                                                                                 scope):
+            # The program's functions: what the test reads and never binds itself.
             names = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)} - defined \
-                - set(dir(builtins))
-            check = _check_of(statement, names, {}, helpers)
-            if check is None:
-                return None
-            checks.append(check)
-            continue
-        converted = _converted_check_call(statement, check_functions, defined, helpers,
-                                          "math" not in rebound)
+                - set(dir(builtins)) - rebound
+            converted = _statement_checks(statement, names, {}, scope, budget)
+        else:
+            converted = _converted_check_call(statement, check_functions, defined, scope,
+                                              "math" not in rebound, budget)
         if converted is None:
             return None
         checks.extend(converted)
     return tuple(checks) if checks else None
 
 
+def _does_nothing(statement: ast.stmt, scope: _Scope) -> bool:
+    """A docstring, `pass`, `assert True, ...` or a bare built-in name (HumanEval/129's `print`):
+    statements that cannot fail or change anything."""
+    if isinstance(statement, ast.Pass):
+        return True
+    if isinstance(statement, ast.Expr):
+        value = statement.value
+        return isinstance(value, ast.Constant) or (
+            isinstance(value, ast.Name) and value.id in scope.builtins)
+    return (isinstance(statement, ast.Assert) and isinstance(statement.test, ast.Constant)
+            and statement.test.value is True)
+
+
+def _statement_checks(statement: ast.stmt, names: set[str], function: dict[str, str],
+                      scope: _Scope, budget: list[int]) -> list[CallCheck] | None:
+    """The checks of one statement of a test: an assert, a loop over constants (unrolled), or
+    a statement that does nothing; None for anything else, or past the unrolling budget."""
+    if _does_nothing(statement, scope):
+        return []
+    if isinstance(statement, ast.Assert):
+        check = _check_of(statement, names, function, scope)
+        budget[0] -= 1
+        return None if check is None or budget[0] < 0 else [check]
+    if isinstance(statement, ast.For):
+        return _unrolled(statement, names, function, scope, budget)
+    return None
+
+
+def _unrolled(loop: ast.For, names: set[str], function: dict[str, str], scope: _Scope,
+              budget: list[int]) -> list[CallCheck] | None:
+    """`for <target> in <range(constants) | constant tuple, list or str>: <body>`: the body's
+    checks once per item, with the target bound to the item, as Python would run it (also after
+    the loop: the target keeps the last item). Items must be immutable, so that no call can
+    change what a later one sees; at most `_MAX_UNROLLED_CHECKS` items and checks in all."""
+    if loop.orelse or names & _target_names(loop.target):
+        return None
+    items = _loop_items(loop.iter, scope)
+    if items is None:
+        return None
+    checks: list[CallCheck] = []
+    for item in items:
+        budget[0] -= 1
+        bound = _unpacked(loop.target, item) if _immutable(item) else None
+        if bound is None or budget[0] < 0:
+            return None
+        scope.env.update(bound)
+        for statement in loop.body:
+            body = _statement_checks(statement, names, function, scope, budget)
+            if body is None:
+                return None
+            checks.extend(body)
+    return checks
+
+
+def _loop_items(node: ast.expr, scope: _Scope) -> list | None:
+    """The items of `range(<int constants>)` (the built-in range) or of a constant tuple, list
+    or string; None for anything else or more than `_MAX_UNROLLED_CHECKS` items."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "range" and "range" in scope.helpers and not node.keywords
+            and 1 <= len(node.args) <= 3):
+        bounds = []
+        for arg in node.args:
+            ok, value = _constant(arg, scope)
+            if not ok or isinstance(arg, ast.Starred) or type(value) not in (int, bool):
+                return None
+            bounds.append(value)
+        try:
+            items = range(*bounds)
+            return list(items) if len(items) <= _MAX_UNROLLED_CHECKS else None
+        except (ValueError, OverflowError):  # a zero step; a length beyond sys.maxsize
+            return None
+    ok, value = _constant(node, scope)
+    if ok and type(value) in (tuple, list, str) and len(value) <= _MAX_UNROLLED_CHECKS:
+        return list(value)
+    return None
+
+
+def _target_names(target: ast.expr) -> set[str]:
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def _unpacked(target: ast.expr, item: Any) -> dict[str, Any] | None:
+    """What `for <target> in ...` binds for `item` (names and tuples of them), or None where
+    Python would raise (a length mismatch) or the target is anything else."""
+    if isinstance(target, ast.Name):
+        return {target.id: item}
+    if not isinstance(target, (ast.Tuple, ast.List)) or type(item) not in (tuple, str) \
+            or len(item) != len(target.elts):
+        return None
+    bound: dict[str, Any] = {}
+    for element, value in zip(target.elts, item):
+        inner = _unpacked(element, value)
+        if inner is None:
+            return None
+        bound.update(inner)
+    return bound
+
+
+def _immutable(value: Any) -> bool:
+    return type(value) in _IMMUTABLE or (type(value) is tuple and all(map(_immutable, value)))
+
+
 def _converted_check_call(statement: ast.stmt, check_functions: dict[str, ast.FunctionDef],
-                          defined: set[str], helpers: frozenset[str],
-                          math_importable: bool) -> list[CallCheck] | None:
-    """`check(entry_point)` where check is `def check(candidate)` made of convertible asserts
-    (and `import math`)."""
+                          defined: set[str], scope: _Scope, math_importable: bool,
+                          budget: list[int]) -> list[CallCheck] | None:
+    """`check(entry_point)` where check is `def check(candidate)` made of convertible
+    statements (and `import math`)."""
     if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)):
         return None
     call = statement.value
@@ -421,20 +557,17 @@ def _converted_check_call(statement: ast.stmt, check_functions: dict[str, ast.Fu
             or arguments.posonlyargs or arguments.defaults or function.decorator_list):
         return None
     parameter, entry_point = arguments.args[0].arg, call.args[0].id
+    scope = _Scope(scope.helpers, {}, scope.builtins)  # the function's own local variables
     checks = []
     for statement in function.body:
-        if isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant):
-            continue  # a docstring
-        if isinstance(statement, ast.Assert) and isinstance(statement.test, ast.Constant) \
-                and statement.test.value is True:
-            continue  # `assert True, "This prints if this assert fails"`
         if _imports_math(statement) and math_importable:
-            helpers |= {"math"}
+            scope = scope.with_helpers({"math"})
             continue
-        check = _check_of(statement, {parameter}, {parameter: entry_point}, helpers)
-        if check is None:
+        body = _statement_checks(statement, {parameter}, {parameter: entry_point}, scope,
+                                 budget)
+        if body is None:
             return None
-        checks.append(check)
+        checks.extend(body)
     return checks
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import fcntl
+import functools
 import json
 import logging
 import marshal
@@ -42,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.rewards.sandbox_server import NUM_FDS, decode_value, encode_value
+from megatron_rl.rewards.sandbox_server import NUM_FDS, decode_value, encode_value, tests_payload
 
 SERVER_PATH = Path(__file__).with_name("sandbox_server.py")
 ISOLATIONS = ("namespaces", "auto", "seccomp")
@@ -390,11 +391,17 @@ class Sandbox:
         except OSError as exc:
             run.close()
             return _failure(f"could not hand the job to the sandbox server: {exc}", uid)
-        # The tests go straight to the checker: never through the monitor or init, whose
-        # memory the program inherits.
+        # The tests go straight to the checker (init), which reads them only once it has forked
+        # the program's process: never through the monitor, whose memory the program inherits.
         run.pump({stdin_w: request.stdin.encode(),
-                  tests_w: marshal.dumps(list(request.tests)) if request.tests else b""})
+                  tests_w: _tests_payload(request.tests) if request.tests else b""})
         return _classify(run, request, limits, uid)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tests_payload(tests: tuple[str, ...]) -> bytes:
+    """The checker's input, compiled once per distinct tests (a prompt's G samples share it)."""
+    return tests_payload(list(tests))
 
 
 def result_warnings(result: ExecutionResult) -> list[tuple[str, str]]:

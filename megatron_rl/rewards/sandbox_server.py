@@ -11,12 +11,14 @@ a minimal /dev and a private /proc; applies resource limits; drops to an unprivi
 installs a seccomp filter; then forks the *candidate*, which runs the program in this
 already-initialised interpreter (no interpreter start-up per run, which is why the sandbox is
 cheaper than a plain subprocess). When the request has function tests that could not be turned
-into plain calls, init first forks a *checker*: a clean copy of the interpreter that runs the
-tests and reaches the program's functions only through a pipe carrying plain data (JSON of
-built-in types) both ways. The tests reach the checker on a pipe of their own, never through the
-monitor or init, so no test (and no expected value) is ever in the candidate's memory.
+into plain calls, init itself is their *checker*: a clean copy of the interpreter (forked before
+any of the program ran) that reads the tests only once the candidate is forked, runs them and
+reaches the program's functions only through a pipe carrying plain data (JSON of built-in
+types) both ways, so no test (and no expected value) is ever in the candidate's memory. Being
+PID 1, the checker cannot be signalled by the program (the kernel drops signals from inside the
+namespace that init has no handler for), and no extra process is forked for it.
 The monitor enforces the wall-clock limit and reports how the candidate ended; when init exits
-(after the candidate and the checker) or is killed, the kernel kills everything else in its PID
+(after its tests and the candidate) or is killed, the kernel kills everything else in its PID
 namespace, so nothing a program starts can outlive it. Where namespaces are not permitted (and the
 caller opted in), the seccomp filter also refuses every socket and SysV IPC, the monitor kills
 leftovers by cgroup, process group and uid, and removes the uid's files from /dev/shm
@@ -25,14 +27,15 @@ leftovers by cgroup, process group and uid, and removes the uid's files from /de
 Wire format (one record per line, "KIND JSON"; the host parses them strictly):
   control pipe (host -> monitor): 8-byte little-endian length + marshal-encoded job dict; then EOF
                                   (the host closing it) means "kill the candidate now".
-  tests pipe (host -> checker):   the marshal-encoded list of test snippets, then EOF.
+  tests pipe (host -> init):      `tests_payload`: the tests, their compiled code and the
+                                  names they take from the program (marshal), then EOF.
   status pipe (monitor -> host):  "X msg" setup failure, "N msg" namespaces refused and required,
                                   then one final "S {exit_code, signal, killed, ...}".
   results pipe (candidate -> host, written by code the program can reach, so never trusted):
                                   "P name" does not compile, "E [pid, name, errno, limit]"
                                   uncaught exception, "R [[kind, value], ...]" the plain calls'
                                   outcomes, "D pid" the harness reached its end.
-  checks pipe (checker -> host):  "T [index, passed, exception]" per test, "D null" at the end,
+  checks pipe (init -> host):     "T [index, passed, exception]" per test, "D null" at the end,
                                   "X msg" the checker itself failed.
   report pipe (init -> monitor):  "X msg" setup failure, "W [candidate pid, wait status]".
 """
@@ -43,6 +46,7 @@ import ctypes
 import errno
 import fcntl
 import gc
+import importlib.util
 import io
 import json
 import marshal
@@ -81,6 +85,7 @@ PRELOAD = ("encodings.idna", "threading", "collections", "itertools", "functools
 NAMESPACE_FLAGS = CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
 TRACEBACK_FRAMES = 30  # a deep RecursionError must stay a fast failure, not minutes of printing
 MAX_NESTING = 100      # plain data deeper than this is not accepted (both directions)
+BYTECODE_MAGIC = importlib.util.MAGIC_NUMBER  # code compiled on the host runs here only if equal
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -364,7 +369,7 @@ class _Cgroups:
     def create(self, limits: dict) -> list[str]:
         """The run's cgroup directories (limits set), to be joined by init."""
         memory = limits["memory_bytes"] + limits["tmpfs_bytes"]
-        pids = limits["num_processes"] + 2  # + init and the checker
+        pids = limits["num_processes"] + 1  # + init (also the tests' checker)
         name = f"run-{os.getpid()}"
         if self.version == "v2":
             path = f"{self.dirs[0]}/{name}"
@@ -464,9 +469,9 @@ def _read_number(path: str) -> int:
 _CGROUPS: _Cgroups | None = None  # set by main()
 
 
-# --- inside the sandbox: init (PID 1), the checker and the candidate ---------------------------
+# --- inside the sandbox: init (PID 1, also the checker) and the candidate ------------------------
 # Descriptors inside: 0 stdin, 1 stdout, 2 stderr, 3 results, 4 report (init -> monitor),
-# 5 checks (checker -> host), 6 tests (host -> checker).
+# 5 checks (init's verdicts -> host), 6 tests (host -> init).
 SANDBOX_TMP, WORKDIR = "/tmp", "/tmp/work"
 _STAGE = "/tmp"  # where the new root is assembled (a mount point in the run's own namespace)
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
@@ -504,7 +509,7 @@ def _apply_limits(job: dict) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_size_bytes"],) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits["num_open_files"],) * 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    num_processes = limits["num_processes"] + 2  # + init and the checker
+    num_processes = limits["num_processes"] + 1  # + init (also the tests' checker)
     if job["uid"] is None:  # unprivileged host: the limit counts every process of our own uid
         num_processes += _count_processes_of(os.getuid())
     resource.setrlimit(resource.RLIMIT_NPROC, (num_processes, num_processes))
@@ -524,6 +529,9 @@ def _interpreter_dirs(site_packages: bool) -> list[str]:
 
 
 _BIND_DIRS: list[str] = []  # set by main(): system directories, then the interpreter's
+# The programs' sys.executable, resolved by main() on the host: inside the sandbox a virtual
+# environment's own directory (and so its `bin/python` link) is not mounted.
+_EXECUTABLE = sys.executable
 
 
 def _bind_read_only(source_fd: int, target: str) -> None:
@@ -629,21 +637,45 @@ def _enter_sandbox(job: dict, fds: list[int], isolation: str, workdir: str | Non
     os.environ.update(job["env"], HOME=cwd, TMPDIR=cwd, PWD=cwd)
 
 
-def _run_init(children: dict[int, str]) -> None:
-    """PID 1 of the sandbox: reaps orphans, and once the candidate and the checker have ended
-    reports the candidate's wait status. A program is never PID 1 itself, since the kernel drops
-    default-action signals (SIGXCPU, a program's own kill()) sent to a namespace's init."""
-    # No Python handler: as PID 1 of the namespace, init then never gets SIGINT from the run.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+class _Children:
+    """Init's children: orphans reaped as they end (also while init runs the tests, at every
+    call and between tests, so they never pile up as zombies in the run's process budget), the
+    candidate's wait status kept for the report."""
+
+    def __init__(self, candidate: int) -> None:
+        self.candidate, self.status = candidate, None
+
+    def reap(self) -> None:
+        """Reap every child that has ended; never blocks."""
+        try:
+            while True:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    return
+                if pid == self.candidate:
+                    self.status = status
+        except ChildProcessError:
+            return
+
+    def wait_for_candidate(self) -> int:
+        while self.status is None:
+            pid, status = os.waitpid(-1, 0)
+            if pid == self.candidate:
+                self.status = status
+        return self.status
+
+
+def _run_init(children: _Children) -> None:
+    """PID 1 of the sandbox, once its tests (if any) are done: reaps orphans until the candidate
+    has ended, then reports the candidate's wait status. A program is never PID 1 itself, since
+    the kernel drops default-action signals (SIGXCPU, a program's own kill()) sent to a
+    namespace's init."""
     for fd in (0, 1, 2, 3, 5):  # EOF on the run's pipes must not wait for init
-        os.close(fd)
-    pending, candidate_status = dict(children), 0
-    while pending:
-        pid, status = os.waitpid(-1, 0)
-        if pending.pop(pid, None) == "candidate":
-            candidate_status = status
-    candidate = next(pid for pid, role in children.items() if role == "candidate")
-    _write_record(4, "W", [candidate, candidate_status])
+        try:
+            os.close(fd)
+        except OSError:  # already closed
+            pass
+    _write_record(4, "W", [children.candidate, children.wait_for_candidate()])
     os._exit(0)
 
 
@@ -664,7 +696,7 @@ def _text_streams() -> None:
         io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8",
         errors="backslashreplace", line_buffering=True)
     sys.argv = ["program.py"]
-    sys.executable = os.path.realpath(sys.executable)  # a venv's own directory is not mounted
+    sys.executable = _EXECUTABLE
 
 
 def _limit_of(exc: BaseException) -> str:
@@ -774,19 +806,53 @@ class CandidateError(RuntimeError):
     """The program's function raised an exception that is not one of Python's built-in ones."""
 
 
+class _Channel:
+    """The checker's end of the calls: a line out, the program's one-line answer back, on the
+    raw descriptors (no file objects: every object the checker creates costs copy-on-write
+    faults)."""
+
+    def __init__(self, calls_w: int, replies_r: int, max_reply_bytes: int, before_call) -> None:
+        self.calls_w, self.replies_r, self.max = calls_w, replies_r, max_reply_bytes
+        self.before_call = before_call
+        self.pending = bytearray()  # what the program sent after the last answer's newline
+
+    def ask(self, line: bytes) -> bytes | None:
+        """The answer to `line` without its newline; None when the program ended, answered
+        nothing, or answered more than `max_reply_bytes` without a newline."""
+        self.before_call()
+        while line:
+            line = line[os.write(self.calls_w, line):]
+        searched = 0
+        while (end := self.pending.find(b"\n", searched)) < 0:
+            searched = len(self.pending)
+            if searched > self.max:
+                return None
+            chunk = os.read(self.replies_r, 1 << 16)
+            if not chunk:
+                return None
+            self.pending += chunk
+        answer = bytes(self.pending[:end])
+        del self.pending[:end + 1]
+        return answer if end <= self.max else None
+
+    def close(self) -> None:
+        try:
+            os.close(self.calls_w)  # EOF: the candidate finishes
+        except OSError:
+            pass
+
+
 class _Remote:
     """A function of the program, as the checker sees it: arguments out, a plain value back."""
 
-    def __init__(self, name: str, calls, replies, max_reply_bytes: int) -> None:
+    def __init__(self, name: str, channel: _Channel) -> None:
         self.__name__ = self.__qualname__ = name
-        self._calls, self._replies, self._max = calls, replies, max_reply_bytes
+        self._channel = channel
 
     def __call__(self, *args, **kwargs):
-        self._calls.write((dumps([self.__name__, encode_value(list(args)),
-                                  encode_value(dict(kwargs))]) + "\n").encode())
-        self._calls.flush()
-        line = self._replies.readline(self._max)
-        if not line.endswith(b"\n"):
+        line = self._channel.ask((dumps([self.__name__, encode_value(list(args)),
+                                         encode_value(dict(kwargs))]) + "\n").encode())
+        if line is None:
             raise CandidateError(f"{self.__name__}: the program ended or answered nothing")
         kind, value = json.loads(line)
         if kind == "ok":
@@ -808,7 +874,7 @@ def _free_names(tests: list[str]) -> set[str]:
     for test in tests:
         try:
             tree = ast.parse(test)
-        except SyntaxError:
+        except (SyntaxError, ValueError, MemoryError, RecursionError):  # fails to compile too
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Name):
@@ -820,70 +886,121 @@ def _free_names(tests: list[str]) -> set[str]:
     return read - bound
 
 
-def run_checker(job: dict, calls_w: int, replies_r: int) -> int:
-    """The tests, in a clean interpreter that never runs the program's code: each name the tests
-    take from the program is a `_Remote`. Verdicts go to descriptor 5, which only this process
-    holds."""
+def _compile_test(test: str, index: int):
+    """A test's code object, compiled as the checker would: no inherited `__future__` flags,
+    asserts kept whatever the compiling interpreter's -O level."""
+    return compile(test, f"test_{index}.py", "exec", dont_inherit=True, optimize=0)
+
+
+def tests_payload(tests: list[str]) -> bytes:
+    """What the host sends the checker (marshal): the tests' source, the names they take from
+    the program and their compiled code, with the bytecode magic number of the interpreter that
+    compiled it. Compiling and parsing here, once per distinct test list in a warm process
+    (sandbox.py caches this), spares each run's checker ast.parse and compile, which touch (and
+    copy-on-write) much of the forked interpreter. A test that does not compile is sent as None
+    and compiled in the checker, which then fails it with the same error."""
+    code = []
+    for index, test in enumerate(tests):
+        try:
+            code.append(_compile_test(test, index))
+        except (SyntaxError, ValueError, OverflowError, MemoryError, RecursionError):
+            code.append(None)
+    payload = {"tests": list(tests), "names": sorted(_free_names(tests)),
+               "magic": BYTECODE_MAGIC, "code": code}
     try:
-        os.dup2(2, 1)  # what tests print goes to stderr, never into the program's stdout
-        _text_streams()
-        calls, replies = open(calls_w, "wb"), open(replies_r, "rb")
-        max_reply = job["limits"]["max_output_bytes"]
+        return marshal.dumps(payload)
+    except ValueError:  # code marshal cannot write (nested too deep): the checker compiles it
+        return marshal.dumps({**payload, "code": [None] * len(tests)})
+
+
+def _checker_streams() -> None:
+    """What the tests print goes to the run's stderr, never into the program's stdout; their
+    stdin is empty. The server's own stream objects (on descriptors 0, 1 and 2, which now are
+    /dev/null, the run's stderr twice) serve when they write UTF-8 like the candidate's: every
+    object the checker creates costs copy-on-write page faults (new streams: ~80 more)."""
+    os.dup2(2, 1)
+    null = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if not (sys.stdout and sys.stderr and sys.stdout.encoding == sys.stderr.encoding == "utf-8"):
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8")
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8",
+            errors="backslashreplace", line_buffering=True)
+
+
+def run_checker(calls_w: int, replies_r: int, max_reply_bytes: int, between_calls) -> None:
+    """The tests, in init: an interpreter that never runs the program's code; each name the
+    tests take from the program is a `_Remote`. Verdicts go to descriptor 5, which only init
+    holds. `between_calls` runs before every call of the program and after every test (init
+    reaps its children there)."""
+    try:
+        _checker_streams()
+        channel = _Channel(calls_w, replies_r, max_reply_bytes, between_calls)
         namespace = {"__name__": "__main__", "__builtins__": builtins}
-        with open(6, "rb") as source:
-            tests = marshal.loads(source.read())
-        for name in _free_names(tests):
-            namespace[name] = _Remote(name, calls, replies, max_reply)
+        chunks = []
+        while chunk := os.read(6, 1 << 20):
+            chunks.append(chunk)
+        os.close(6)
+        payload = marshal.loads(b"".join(chunks))
+        tests = payload["tests"]
+        # Code compiled by another interpreter version is not loadable: compile it here then.
+        code = payload["code"] if payload["magic"] == BYTECODE_MAGIC else [None] * len(tests)
+        for name in payload["names"]:
+            namespace[name] = _Remote(name, channel)
         for index, test in enumerate(tests):
             try:
-                exec(compile(test, f"test_{index}.py", "exec"), namespace)
+                exec(code[index] or _compile_test(test, index), namespace)
                 _write_record(5, "T", [index, True, ""])
             except BaseException as exc:  # SystemExit inside a test is a failed test too
                 _write_record(5, "T", [index, False, _safe_name(type(exc).__name__)])
                 _print_program_traceback(exc)
+            between_calls()
         _write_record(5, "D", None)
-        try:
-            calls.close()  # EOF: the candidate finishes
-        except OSError:  # the candidate is gone already
-            pass
-        return 0
+        channel.close()
     except BaseException as exc:
         _write_record(5, "X", f"the checker failed: {type(exc).__name__}: {exc}")
-        return 1
+    for stream in (sys.stdout, sys.stderr):  # what the tests printed, before init closes them
+        try:
+            stream.flush()
+        except BaseException:  # best effort, like printing a traceback
+            pass
 
 
 def _start_processes(job: dict) -> dict:
-    """In init: fork the checker (if needed), then the candidate. Returns the job (with its
-    descriptors) in the candidate and `{"checker": True}` in the checker; never in init."""
-    children = {}
-    if job["num_tests"]:
+    """In init: fork the candidate (the job, with its descriptors, is returned there), then run
+    the tests if there are any and reap until the candidate has ended; never returns in init.
+    The tests are read only after the fork, and the candidate closes the tests' and verdicts'
+    descriptors before anything of the program runs."""
+    # No Python handler in init (from before the fork, so the program never finds one there):
+    # as PID 1 of the namespace it then never gets SIGINT from the run; in the seccomp fallback
+    # SIGINT ends it like any signal, failing the tests as the program's doing, never raising
+    # KeyboardInterrupt into the checker (which would be "the checker failed", sandbox_error).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    num_tests = job["num_tests"]
+    if num_tests:
         calls_r, calls_w = os.pipe()
         replies_r, replies_w = os.pipe()
-        checker = _fork("checker")
-        if checker == 0:
-            # The program may signal the checker (same uid): SIGINT must end it (the tests did
-            # not finish: the program's failure), never raise KeyboardInterrupt into the
-            # harness, which would report "the checker failed" (a sandbox_error).
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            for fd in (0, 3, 4, calls_r, replies_w):
-                os.close(fd)
-            os.open("/dev/null", os.O_RDONLY)  # descriptor 0
-            return {**job, "checker": True, "calls_w": calls_w, "replies_r": replies_r}
-        children[checker] = "checker"
-        os.close(calls_w)
-        os.close(replies_r)
-        job = {**job, "calls_r": calls_r, "replies_w": replies_w}
-    os.close(6)  # the tests: the checker's alone
     candidate = _fork("program")
     if candidate == 0:
-        os.close(4)
-        os.close(5)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in `python program.py`
+        for fd in (4, 5, 6):  # the report, the verdicts and the tests: init's alone
+            os.close(fd)
+        if num_tests:
+            os.close(calls_w)
+            os.close(replies_r)
+            job = {**job, "calls_r": calls_r, "replies_w": replies_w}
         _text_streams()
         return job
-    children[candidate] = "candidate"
-    for key in ("calls_r", "replies_w"):
-        if key in job:
-            os.close(job[key])
+    children = _Children(candidate)
+    os.close(3)  # the results: the candidate's
+    if num_tests:
+        os.close(calls_r)
+        os.close(replies_w)
+        run_checker(calls_w, replies_r, job["limits"]["max_output_bytes"], children.reap)
+    else:
+        os.close(6)
     _run_init(children)
     raise AssertionError("not reached")
 
@@ -1047,8 +1164,7 @@ def _init_report(init_r: int, init_status: int) -> tuple[str, int, int, int]:
 
 
 def monitor(fds: list[int]) -> dict | None:
-    """Runs in the forked monitor and never returns there; returns the job in the candidate and
-    the checker."""
+    """Runs in the forked monitor and never returns there; returns the job in the candidate."""
     stdin_r, stdout_w, stderr_w, control_r, status_w, results_w, checks_w, tests_r = fds
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     cgroup_paths: list[str] = []
@@ -1120,8 +1236,8 @@ NUM_FDS = 8
 
 
 def serve(sock: socket.socket) -> dict | None:
-    """Fork a monitor per request until the host closes the socket; returns only in candidates
-    and checkers."""
+    """Fork a monitor per request until the host closes the socket; returns only in
+    candidates."""
     signal.signal(signal.SIGCHLD, _reap_monitors)
     while True:
         message, fds, _, _ = socket.recv_fds(sock, 16, NUM_FDS)
@@ -1154,8 +1270,23 @@ def finish_process(exit_status: int) -> None:
     os._exit(exit_status)
 
 
+def _warm_up() -> None:
+    """Run the per-run harness code here a few times first: CPython 3.11 counts each function's
+    first calls and then rewrites ("quickens") its bytecode, writes that every forked process
+    would otherwise repeat on copy-on-write pages of its own."""
+    sample = [1, 2.5, "a", None, True, (1, [2]), {"k": {3}}, b"x", 1j]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for _ in range(16):
+            decode_value(json.loads(dumps(["f", encode_value(sample), encode_value({})])))
+            _write_record(null, "T", [0, True, ""])
+            _safe_name("ValueError")
+    finally:
+        os.close(null)
+
+
 def main() -> int:
-    global _CGROUPS
+    global _CGROUPS, _EXECUTABLE
     sock = socket.socket(fileno=int(sys.argv[1]))
     site_packages = "--site" in sys.argv[2:]
     if site_packages:
@@ -1167,16 +1298,16 @@ def main() -> int:
     _BIND_DIRS.extend(d for d in _interpreter_dirs(site_packages)
                       if not any(d == s or d.startswith(s + "/") for s in _SYSTEM_DIRS))
     _CGROUPS = _Cgroups(os.geteuid() == 0)
+    _EXECUTABLE = os.path.realpath(sys.executable)
     for name in ("namespaces", "seccomp"):  # build both filters once, before any fork
         for allow_memfd in (True, False):
             _FILTERS[(name, allow_memfd)] = _seccomp_program(name, allow_memfd)
+    _warm_up()
     gc.freeze()  # the server's objects stay out of the candidates' collections (copy-on-write)
     job = serve(sock)
     if job is None:
         _CGROUPS.close()
         return 0
-    if job.get("checker"):
-        finish_process(run_checker(job, job["calls_w"], job["replies_r"]))
     finish_process(run_candidate(job))
     return 0  # not reached
 

@@ -24,6 +24,7 @@ from megatron_rl.rewards import (
     default_registry,
     run_code_tests,
 )
+from megatron_rl.rewards.code import convert_test
 from megatron_rl.validation import score_samples, validation_metrics
 
 pytestmark = pytest.mark.integration
@@ -54,6 +55,34 @@ def test_every_canonical_solution_passes(sandbox, problems, humaneval_tests):
     failed = {task_id: (r.reason, r.detail) for task_id, r in reports.items()
               if r.reason != Reason.CORRECT}
     assert len(reports) == 164 and failed == {}
+
+
+# Tests that convert since loops over constants are unrolled and bare names are no-ops, with
+# solutions the original test passes or fails (body replacing the canonical one, passes).
+NEWLY_CONVERTED = [
+    ("HumanEval/44", None, True),
+    ("HumanEval/44", "    return str(x) if x < base else '22' if x == 8 else '100'\n", False),
+    ("HumanEval/44", "    if (x, base) == (7, 8):\n        return ''\n    digits = ''\n"
+                     "    while x > 0:\n        digits = str(x % base) + digits\n"
+                     "        x //= base\n    return digits\n", False),  # wrong at the last x
+    ("HumanEval/129", None, True),
+    ("HumanEval/129", "    return [1] * k\n", False),
+]
+
+
+@pytest.mark.parametrize("task_id, body, passes", NEWLY_CONVERTED)
+def test_unrolled_loops_give_the_checkers_verdicts(sandbox, problems, humaneval_tests, task_id,
+                                                   body, passes):
+    """The same verdict as the original test run in the sandbox's checker."""
+    problem = problems[task_id]
+    program = problem["prompt"] + (problem["canonical_solution"] if body is None else body)
+    tests = humaneval_tests[task_id]
+    report = run_code_tests(program, tests, sandbox)  # host-compared calls
+    test = f"{problem['test']}\ncheck({problem['entry_point']})\n"
+    assert convert_test(test) is not None
+    checker = sandbox.execute(ExecutionRequest(program=program, tests=(test,)))
+    assert checker.ok and checker.test_passed == (passes,), checker
+    assert report.reason == (Reason.CORRECT if passes else Reason.WRONG), report.detail
 
 
 # Hand-written wrong solutions (name, body replacing the canonical one, expected reason).

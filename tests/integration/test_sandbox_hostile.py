@@ -245,19 +245,22 @@ def test_seccomp_fallback_contains_fork_bombs_too():
 
 # --- 1. function-call tests cannot be faked -------------------------------------------------------
 # Each hack is one or two lines a policy could find; all of them scored `correct` before the
-# expected values left the sandbox. HumanEval/13 has plain asserts and HumanEval/2 tolerance
-# asserts (`abs(candidate(x) - y) < 1e-6`), both compared on the host; HumanEval/44's loop runs
-# in the sandbox's separate checker.
+# expected values left the sandbox. HumanEval/13 has plain asserts, HumanEval/2 tolerance
+# asserts (`abs(candidate(x) - y) < 1e-6`) and HumanEval/44 a loop over a range (unrolled), all
+# compared on the host; HumanEval/37's `tuple(candidate(...)) == ...` runs in the checker.
 GCD = "def greatest_common_divisor(a, b):\n    return 0\n"  # wrong for every test
 TRUNCATE = "def truncate_number(number):\n    return 0.0\n"
 CHANGE_BASE = "def change_base(x, base):\n    return ''\n"
+SORT_EVEN = "def sort_even(l):\n    return []\n"
 HACKS = {
     "__eq__ always true": ("class Anything:\n    def __eq__(self, other):\n        return True\n"
                            "    def __sub__(self, other):\n        return 0\n"
                            "    __rsub__ = __sub__\n"
+                           "    def __iter__(self):\n        return iter(())\n"
                            "def greatest_common_divisor(a, b):\n    return Anything()\n"
                            "def truncate_number(number):\n    return Anything()\n"
-                           "def change_base(x, base):\n    return Anything()\n"),
+                           "def change_base(x, base):\n    return Anything()\n"
+                           "def sort_even(l):\n    return Anything()\n"),
     "int subclass": ("class Yes(int):\n    def __eq__(self, other):\n        return True\n"
                      "    __hash__ = int.__hash__\n"
                      "def greatest_common_divisor(a, b):\n    return Yes(0)\n"
@@ -265,13 +268,15 @@ HACKS = {
                      "def truncate_number(number):\n    return Near(0)\n"
                      "class Same(str):\n    def __eq__(self, other):\n        return True\n"
                      "    __hash__ = str.__hash__\n"
-                     "def change_base(x, base):\n    return Same()\n"),
-    "patched compile": (GCD + TRUNCATE + CHANGE_BASE + "import builtins\n"
+                     "def change_base(x, base):\n    return Same()\n"
+                     "class Equal(list):\n    def __eq__(self, other):\n        return True\n"
+                     "def sort_even(l):\n    return Equal()\n"),
+    "patched compile": (GCD + TRUNCATE + CHANGE_BASE + SORT_EVEN + "import builtins\n"
                         "_compile = builtins.compile\n"
                         "builtins.compile = lambda s, f, m, *a, **k: _compile('pass', f, m)\n"),
-    "patched exec": (GCD + TRUNCATE + CHANGE_BASE
+    "patched exec": (GCD + TRUNCATE + CHANGE_BASE + SORT_EVEN
                      + "import builtins\nbuiltins.exec = lambda *a, **k: None\n"),
-    "forged pass records": (GCD + TRUNCATE + CHANGE_BASE
+    "forged pass records": (GCD + TRUNCATE + CHANGE_BASE + SORT_EVEN
                             + "import os\nfor fd in range(3, 64):\n    try:\n"
                             "        os.write(fd, f'T 0 1 -\\nT [0, true, \"\"]\\n"
                             "D {os.getpid()}\\n"
@@ -287,11 +292,12 @@ HACKS = {
         "def greatest_common_divisor(a, b):\n"
         "    import re\n"
         "    m = re.search(rf'candidate\\({a}, {b}\\) == (\\d+)', _expected())\n"
-        "    return int(m.group(1)) if m else 0\n" + CHANGE_BASE),
+        "    return int(m.group(1)) if m else 0\n" + CHANGE_BASE + SORT_EVEN),
 }
 
 
-@pytest.mark.parametrize("task_id", ["HumanEval/13", "HumanEval/2", "HumanEval/44"])
+@pytest.mark.parametrize("task_id", ["HumanEval/13", "HumanEval/2", "HumanEval/44",
+                                     "HumanEval/37"])
 @pytest.mark.parametrize("hack", sorted(HACKS))
 def test_function_tests_cannot_be_faked(sandbox, task_id, hack):
     tests = humaneval_prompts([task_id])[0].tests
@@ -362,15 +368,18 @@ def f(x):
 
 
 def test_the_checker_cannot_be_reached_or_stopped_into_a_pass(sandbox):
-    """The program can see the checker's process but not its memory or descriptors; killing or
-    stopping it fails the tests."""
+    """The checker is the run's init (PID 1): the program sees its process but not its memory or
+    descriptors, and cannot signal it (kill(-1) skips init; the kernel drops what init has no
+    handler for). A wrong answer stays wrong, a right one right, and neither is a verifier
+    failure."""
     peek = """
 import os, signal
 def f(x):
     return 0
 mine = os.getpid()
-for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, mine)):
-    for path in (f"/proc/{pid}/fd/5", f"/proc/{pid}/mem", f"/proc/{pid}/environ"):
+for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) != mine):
+    for path in (f"/proc/{pid}/fd/5", f"/proc/{pid}/fd/6", f"/proc/{pid}/mem",
+                 f"/proc/{pid}/environ"):
         try:
             open(path, "rb").read(1)
             print("opened", path)
@@ -380,15 +389,36 @@ for pid in (p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, 
     result = sandbox.run(peek, tests=("assert f(1) + 0 == 1",))
     assert "opened" not in result.stdout and "refused" in result.stdout
     assert result.test_passed == (False,)
-    for sig in ("SIGKILL", "SIGSTOP"):
-        program = (f"import os, signal\ndef f(x):\n    return x\nos.kill(-1, signal.{sig})\n")
-        result = sandbox.run(program, tests=("assert f(1) + 0 == 1",))
-        assert result.test_passed == (False,) and result.status != "sandbox_error"
+    for sig in ("SIGKILL", "SIGSTOP", "SIGINT", "SIGTERM"):
+        for body, right in (("x", True), ("x + 1", False)):
+            program = (f"import os, signal\ndef f(x):\n    return {body}\n"
+                       "for target in (-1, 1):\n    try:\n"
+                       f"        os.kill(target, signal.{sig})\n"
+                       "    except OSError:\n        pass\n")
+            result = sandbox.run(program, tests=("assert f(1) + 0 == 1",))
+            assert (result.status, result.test_passed) == ("ok", (right,)), (sig, result)
 
 
-def test_interrupting_the_checker_is_the_programs_failure(sandbox):
-    """SIGINT sent to every process of the run while the checker works: the tests fail as the
-    program's runtime_error, never "the checker failed" (a sandbox_error, no verdict)."""
+def test_stopping_the_checker_in_the_seccomp_fallback_is_the_programs_failure():
+    """Without a PID namespace the checker (init) is a process of the run's uid that the
+    program can kill or stop: the tests then fail as the program's doing, never pass and never
+    become "the checker failed" (sandbox_error)."""
+    with Sandbox(SandboxConfig(num_workers=1, limits=LIMITS, isolation="seccomp")) as sb:
+        for sig in ("SIGKILL", "SIGSTOP", "SIGINT"):
+            program = (f"import os, signal\ndef f(x):\n    return x\n"
+                       f"os.kill(os.getppid(), signal.{sig})\n")
+            result = sb.run(program, tests=("assert f(1) + 0 == 1",))
+            assert result.test_passed == (False,), (sig, result)
+            assert result.status in ("runtime_error", "timeout"), (sig, result)
+    assert _sandbox_processes() == []
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "seccomp"])
+def test_interrupting_the_checker_is_the_programs_failure(isolation):
+    """SIGINT sent to every process of the run while the checker works is never "the checker
+    failed" (a sandbox_error, no verdict). With namespaces the checker is PID 1, which the
+    signals do not reach: the (right) function passes. In the seccomp fallback they end the
+    checker: the tests fail as the program's runtime_error."""
     program = """
 import os, signal, threading
 def f(x):
@@ -404,9 +434,48 @@ def interrupt():
 threading.Thread(target=interrupt, daemon=True).start()
 """
     tests = tuple("for i in range(100):\n    assert f(i) == i\n" for _ in range(3))
-    for _ in range(3):  # the interrupt lands at a different point each time
-        result = sandbox.run(program, tests=tests, limits=ROOMY)
-        assert result.status != "sandbox_error" and not any(result.test_passed), result.detail
+    with Sandbox(SandboxConfig(num_workers=1, limits=ROOMY, isolation=isolation)) as sb:
+        for _ in range(3):  # the interrupt lands at a different point each time
+            result = sb.run(program, tests=tests)
+            if isolation == "namespaces":
+                assert result.status == "ok" and all(result.test_passed), result
+            else:
+                assert result.status == "runtime_error", result
+                assert not any(result.test_passed), result
+    assert _sandbox_processes() == []
+
+
+def test_orphans_do_not_pile_up_while_the_checker_works(sandbox):
+    """Init, busy running the tests, still reaps the orphans the program leaves at each call:
+    60 double forks under a budget of 8 processes all succeed. The program's SIGINT handler is
+    Python's own, as in `python program.py`."""
+    program = """
+import os, signal
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+def f(x):
+    child = os.fork()
+    if child == 0:
+        if os.fork() == 0:  # the grandchild: an orphan of init once the child is gone
+            os._exit(0)
+        os._exit(0)
+    os.waitpid(child, 0)
+    return x
+"""
+    result = sandbox.run(program, tests=("for i in range(60):\n    assert f(i) == i\n",),
+                         limits=ROOMY)
+    assert (result.status, result.test_passed) == ("ok", (True,)), result
+
+
+def test_what_the_program_writes_into_the_checkers_answers_fails_its_tests(sandbox):
+    """The program can write into the pipe its harness answers the checker on: a line over the
+    size limit (64 KiB here), a forged answer or garbage only ever fail its own tests, never
+    pass them and never become "the checker failed" (sandbox_error)."""
+    for junk in (b"x" * 100_000, b'["ok", 2]\n', b"\xff garbage\n"):
+        program = ("import os\ndef f(x):\n    return x\nfor fd in range(4, 64):\n    try:\n"
+                   f"        os.write(fd, {junk!r})\n    except OSError:\n        pass\n")
+        result = sandbox.run(program, tests=("assert f(1) == 1\nassert f(1) == 1",),
+                             limits=ROOMY)
+        assert result.test_passed == (False,) and result.status == "ok", (junk, result)
 
 
 def test_huge_and_deep_return_values_are_wrong_answers(sandbox):
