@@ -15,7 +15,6 @@ asserts on them, so a failure shows the numbers.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -23,9 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _trainer_worker import full_params, make_batch  # noqa: E402
+from _trainer_worker import full_params, make_batch, write_result  # noqa: E402
 
-from megatron_rl.platform import destroy_distributed  # noqa: E402
 from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
                                  RLTrainer, TrainerSettings)
 
@@ -200,10 +198,7 @@ def main() -> None:
     for model_name, num_layers in (("llama", 2), ("qwen3_moe", 2)):
         check_rl_step(out, model_name, num_layers)
     check_rl_step(out, "llama4", 4, checkpoint_dir=os.path.join(out_dir, "checkpoint"))
-    if torch.distributed.get_rank() == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as f:
-            json.dump(out, f, indent=1)
-    destroy_distributed()
+    write_result(out, out_dir)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ numbers to OUT_DIR/result.json.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 
@@ -20,9 +19,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _trainer_worker import build, full_params, make_batch  # noqa: E402
+from _trainer_worker import build, full_params, make_batch, write_result  # noqa: E402
 
-from megatron_rl.platform import destroy_distributed  # noqa: E402
 from megatron_rl.rollout.types import compact_expert_ids  # noqa: E402
 from megatron_rl.trainer import ParallelLayout  # noqa: E402
 
@@ -83,10 +81,7 @@ def main() -> None:
     metrics = trainer.train_step(batch)
     out["no_replay"] = {"loss": metrics.loss, "grad_norm": metrics.grad_norm,
                         "flip_fraction": metrics.routing_flip_fraction}
-    if torch.distributed.get_rank() == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as f:
-            json.dump(out, f, indent=1)
-    destroy_distributed()
+    write_result(out, out_dir)
 
 
 if __name__ == "__main__":

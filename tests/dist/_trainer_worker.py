@@ -204,6 +204,12 @@ def main() -> None:
     # out_dir is shared by all ranks (the test's tmp_path): checkpoints go below it.
     {"invariance": scenario_invariance, "training": scenario_training}[scenario](
         out, os.path.join(out_dir, "ckpt"))
+    write_result(out, out_dir)
+
+
+def write_result(out: dict, out_dir: str) -> None:
+    """Rank 0 writes the measured values to OUT_DIR/result.json (what conftest's
+    `torchrun_result` returns to the test); every rank then leaves the process group."""
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(out, f, indent=1)

@@ -4,6 +4,7 @@ One launcher so that every dist test gets the same guarantees: one thread per ra
 repository on PYTHONPATH, torchrun binding its own free port (no port races), and on a hang the
 whole process group killed and the output shown, instead of ranks left waiting on each other.
 """
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +35,19 @@ def run_torchrun(worker: Path, args: list[str], *, num_ranks: int, timeout_s: in
     return output
 
 
+def run_torchrun_for_result(worker: Path, args: list[str], *, out_dir: Path, num_ranks: int,
+                            timeout_s: int) -> dict:
+    """`run_torchrun`, then the JSON the worker's rank 0 wrote to out_dir/result.json
+    (`_trainer_worker.write_result`): the numbers the tests assert on."""
+    run_torchrun(worker, args, num_ranks=num_ranks, timeout_s=timeout_s)
+    return json.loads((out_dir / "result.json").read_text())
+
+
 @pytest.fixture(scope="session")
 def torchrun():
     return run_torchrun
+
+
+@pytest.fixture(scope="session")
+def torchrun_result():
+    return run_torchrun_for_result

@@ -9,8 +9,6 @@ tests/dist/_context_parallel_worker.py (see its docstring):
   TP 2 + SP with CP 2 (DP 1) the same loss and gradient norm; llama4's checkpoint saved at
   TP 2 + SP + CP 2 and loaded at CP 1 holds CP 1's updated parameters.
 """
-import json
-import time
 from pathlib import Path
 
 import pytest
@@ -24,13 +22,9 @@ FAMILIES = ("llama", "qwen3_moe", "llama4")
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory, torchrun) -> dict:
+def result(tmp_path_factory, torchrun_result) -> dict:
     out_dir = tmp_path_factory.mktemp("context_parallel")
-    start = time.monotonic()
-    torchrun(WORKER, [str(out_dir)], num_ranks=4, timeout_s=360)
-    measured = json.loads((out_dir / "result.json").read_text())
-    measured["wall_s"] = time.monotonic() - start
-    return measured
+    return torchrun_result(WORKER, [str(out_dir)], out_dir=out_dir, num_ranks=4, timeout_s=360)
 
 
 def _close(a: float, b: float) -> bool:

@@ -6,8 +6,6 @@ layers' columns, and each data-parallel rank its completions' rows (any misplace
 token through other experts and changes the loss). The table is random, so replay changes most
 routing decisions: the step without replay differs.
 """
-import json
-import time
 from pathlib import Path
 
 import pytest
@@ -19,13 +17,9 @@ REL_TOL = 1e-5  # float32; layouts sum partial results in different orders
 
 
 @pytest.fixture(scope="module")
-def replay_layouts(tmp_path_factory, torchrun) -> dict:
+def replay_layouts(tmp_path_factory, torchrun_result) -> dict:
     out_dir = tmp_path_factory.mktemp("routing_replay")
-    start = time.monotonic()
-    torchrun(WORKER, [str(out_dir)], num_ranks=4, timeout_s=420)
-    result = json.loads((out_dir / "result.json").read_text())
-    result["wall_s"] = time.monotonic() - start
-    return result
+    return torchrun_result(WORKER, [str(out_dir)], out_dir=out_dir, num_ranks=4, timeout_s=420)
 
 
 def _close(a: float, b: float) -> bool:

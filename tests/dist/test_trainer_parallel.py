@@ -16,8 +16,6 @@ launch and rank 0 reports numbers as JSON, which the tests below assert on:
 - the Llama-4 tiny family from models/ at (1,1,1) and (2,2,2)+SP;
 - learning signal (the GRPO loss falls on a fixed batch) and skipping of a non-finite step.
 """
-import json
-import time
 from pathlib import Path
 
 import pytest
@@ -29,23 +27,18 @@ WORKER = Path(__file__).parent / "_trainer_worker.py"
 REL_TOL = 1e-5
 
 
-def _launch(torchrun, scenario: str, num_ranks: int, out_dir: Path, timeout_s: int) -> dict:
-    start = time.monotonic()
-    torchrun(WORKER, [scenario, str(out_dir)], num_ranks=num_ranks, timeout_s=timeout_s)
-    result = json.loads((out_dir / "result.json").read_text())
-    result["wall_s"] = time.monotonic() - start
-    return result
+@pytest.fixture(scope="module")
+def invariance(tmp_path_factory, torchrun_result) -> dict:
+    out_dir = tmp_path_factory.mktemp("invariance")
+    return torchrun_result(WORKER, ["invariance", str(out_dir)], out_dir=out_dir, num_ranks=4,
+                           timeout_s=480)
 
 
 @pytest.fixture(scope="module")
-def invariance(tmp_path_factory, torchrun) -> dict:
-    return _launch(torchrun, "invariance", 4, tmp_path_factory.mktemp("invariance"),
-                   timeout_s=480)
-
-
-@pytest.fixture(scope="module")
-def training(tmp_path_factory, torchrun) -> dict:
-    return _launch(torchrun, "training", 2, tmp_path_factory.mktemp("training"), timeout_s=240)
+def training(tmp_path_factory, torchrun_result) -> dict:
+    out_dir = tmp_path_factory.mktemp("training")
+    return torchrun_result(WORKER, ["training", str(out_dir)], out_dir=out_dir, num_ranks=2,
+                           timeout_s=240)
 
 
 def _close(a: float, b: float, rel: float = REL_TOL) -> bool:

@@ -10,7 +10,6 @@ flush / resume. And without any checkpoint, a TP2 trainer initialised from the s
 exactly the TP1 weights (on CPU every TP rank once drew the same shard). See
 tests/dist/_weight_sync_gather_worker.py.
 """
-import json
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,9 @@ FP32_LAYOUTS = ("tp1_ep1_pp1", "tp2_sp", "ep2", "pp2", "tp2_ep2_pp2_sp")
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory, torchrun) -> dict:
+def result(tmp_path_factory, torchrun_result) -> dict:
     out_dir = tmp_path_factory.mktemp("weight_sync_gather")
-    torchrun(WORKER, [str(out_dir)], num_ranks=4, timeout_s=480)
-    return json.loads((out_dir / "result.json").read_text())
+    return torchrun_result(WORKER, [str(out_dir)], out_dir=out_dir, num_ranks=4, timeout_s=480)
 
 
 @pytest.mark.parametrize("layout", FP32_LAYOUTS + ("tp2_sp_fresh", "tp2_ep2_pp2_sp_bf16"))
