@@ -14,7 +14,7 @@ and the table gives the median, the spread (min-max) and the ratio of medians.
 component, forward and backward separately (docs/trainer_speed.md explains the attribution).
 
 Run: .venv/bin/python benchmarks/train_step.py [--sizes tiny,large] [--repeats 3] [--steps 5]
-     .venv/bin/python benchmarks/train_step.py --breakdown tiny
+     .venv/bin/python benchmarks/train_step.py --breakdown tiny [--top-ops 4]
 """
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def _instrument(trainer) -> None:
             continue
         _scope(mlp, "forward", "MoE: layer glue")
         _scope(mlp.router, "forward", "MoE: router")
-        _scope(mlp.experts, "forward", "MoE: routed experts (SequentialMLP loop)")
+        _scope(mlp.experts, "forward", "MoE: routed experts")
         if mlp.shared_experts is not None:
             _scope(mlp.shared_experts, "forward", "MoE: shared expert")
         for name in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
@@ -209,7 +209,8 @@ def _instrument(trainer) -> None:
         _scope(optimizer.optimizer, "step", "optimizer: AdamW math")
 
 
-def _attribute(events, num_steps: int) -> dict[str, float]:
+def _attribute(events, num_steps: int):
+    """(ms per step, top-level aten ops per step, {operator: ms per step}) per component label."""
     def is_owner(event) -> bool:
         return event.name.startswith("C:") or event.name.startswith(_BACKWARD)
 
@@ -231,6 +232,7 @@ def _attribute(events, num_steps: int) -> dict[str, float]:
     for event in owners:
         if (parent := owner(event)) is not None:
             nested[id(parent)] += event.cpu_time_total
+    label_of = {}
     totals: dict[str, float] = collections.defaultdict(float)
     for event in owners:
         if event.name.startswith("C:"):
@@ -243,11 +245,27 @@ def _attribute(events, num_steps: int) -> dict[str, float]:
         else:
             label = component_of_op.get(event.sequence_nr, "fwd-bwd schedule, autograd engine")
             label += " [bwd]"
+        label_of[id(event)] = label
         totals[label] += (event.cpu_time_total - nested[id(event)]) / 1e3 / num_steps
-    return totals
+    # Top-level aten ops (not called from inside another aten op) and their time, per component.
+    counts: dict[str, float] = collections.defaultdict(float)
+    operators: dict[str, dict[str, float]] = collections.defaultdict(
+        lambda: collections.defaultdict(float))
+    for event in events:
+        if not event.name.startswith("aten::"):
+            continue
+        parent = event.cpu_parent
+        if parent is not None and parent.name.startswith("aten::"):
+            continue
+        scope = owner(event)
+        label = label_of.get(id(scope), "fwd-bwd schedule, autograd engine") if scope else \
+            "fwd-bwd schedule, autograd engine"
+        counts[label] += 1 / num_steps
+        operators[label][event.name[len("aten::"):]] += event.cpu_time_total / 1e3 / num_steps
+    return totals, counts, operators
 
 
-def run_breakdown(size: str, num_steps: int) -> None:
+def run_breakdown(size: str, num_steps: int, top_ops: int = 0) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     trainer = make_trainer(size)
@@ -259,17 +277,26 @@ def run_breakdown(size: str, num_steps: int) -> None:
             trainer.train_step(batch)
 
     unprofiled = time_steps(step, num_steps)
+    cpu_start = time.process_time()
+    for _ in range(num_steps):
+        step()
+    cpu = (time.process_time() - cpu_start) / num_steps
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(num_steps):
             step()
-    totals = _attribute(prof.events(), num_steps)
+    totals, counts, operators = _attribute(prof.events(), num_steps)
     total = sum(totals.values())
     print(f"megatron_rl trainer step, llama4 {size}, {num_tokens(size)} tokens, fp32, "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}: {unprofiled * 1e3:.1f} ms/step "
-          f"unprofiled, {total:.1f} ms/step under the profiler ({num_steps} steps)")
-    print(f"{'component':<62} {'ms/step':>8} {'share':>6}")
+          f"unprofiled (process CPU time {cpu * 1e3:.1f} ms/step), {total:.1f} ms/step under the "
+          f"profiler ({num_steps} steps), {sum(counts.values()):.0f} top-level aten ops/step")
+    print(f"{'component':<62} {'ms/step':>8} {'share':>6} {'ops/step':>8}")
     for label, ms in sorted(totals.items(), key=lambda item: -item[1]):
-        print(f"{label:<62} {ms:8.2f} {100 * ms / total:5.1f}%")
+        line = f"{label:<62} {ms:8.2f} {100 * ms / total:5.1f}% {counts.get(label, 0):8.0f}"
+        if top_ops:
+            ranked = sorted(operators[label].items(), key=lambda item: -item[1])[:top_ops]
+            line += "  " + ", ".join(f"{name} {value:.1f}" for name, value in ranked)
+        print(line)
 
 
 def main() -> int:
@@ -279,11 +306,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per variant")
     parser.add_argument("--sizes", default="tiny,large")
     parser.add_argument("--breakdown", choices=tuple(SIZES))
+    parser.add_argument("--top-ops", type=int, default=0, help="with --breakdown: also list "
+                        "each component's N most expensive aten operators (ms/step, inclusive)")
     parser.add_argument("--part", choices=tuple(name for name, _ in VARIANTS))
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
     args = parser.parse_args()
     if args.breakdown:
-        run_breakdown(args.breakdown, args.steps or SIZES[args.breakdown]["steps"])
+        run_breakdown(args.breakdown, args.steps or SIZES[args.breakdown]["steps"],
+                      top_ops=args.top_ops)
         return 0
     if args.part:
         steps = args.steps or SIZES[args.size]["steps"]

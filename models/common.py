@@ -11,6 +11,7 @@ Imports megatron.core: import it only after `megatron_rl.platform.activate_cpu_c
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal
 
 import torch
@@ -80,12 +81,28 @@ def make_transformer_config(config_cls: type, architecture: dict[str, Any],
     # Grouped GEMM for experts exists as TE GroupedLinear; the local spec uses SequentialMLP.
     fields["moe_grouped_gemm"] = use_transformer_engine
     fields.update(overrides)
+    if (not use_transformer_engine and "moe_token_dispatcher_type" not in overrides
+            and fields.get("moe_token_dispatcher_type") == "alltoall"
+            and _experts_on_one_rank(fields)):
+        # With neither tensor nor expert parallelism no token leaves the rank, and megatron's
+        # allgather dispatcher then only permutes and unpermutes (the same permute/unpermute
+        # as alltoall's, so bit-identical results), where alltoall also sorts chunks by local
+        # expert both ways and goes through identity all-to-all autograd functions
+        # (docs/trainer_speed.md, third pass). Layouts with TP or EP keep the family's
+        # alltoall dispatcher; Transformer Engine runs are unchanged.
+        fields["moe_token_dispatcher_type"] = "allgather"
     if fields.get("pipeline_model_parallel_size", 1) > 1:
         # Megatron requires the dtype of tensors sent between stages; it is the parameter dtype.
         fields.setdefault("pipeline_dtype", fields.get("params_dtype", torch.float32))
     if derive is not None:
         fields.update(derive(fields))
     return config_cls(**fields)
+
+
+def _experts_on_one_rank(fields: dict[str, Any]) -> bool:
+    tp = fields.get("tensor_model_parallel_size", 1)
+    expert_tp = fields.get("expert_tensor_parallel_size") or tp
+    return tp == 1 and expert_tp == 1 and fields.get("expert_model_parallel_size", 1) == 1
 
 
 def count_parameters(config: TransformerConfig, *, vocab_size: int,
@@ -185,6 +202,8 @@ def decoder_block_spec(config: TransformerConfig, *, use_transformer_engine: boo
         mlp = get_mlp_module_spec_for_backend(
             backend=backend, num_experts=config.num_moe_experts if is_moe else None,
             moe_grouped_gemm=config.moe_grouped_gemm)
+        if is_moe and config.num_moe_experts and not use_transformer_engine:
+            mlp = _with_grouped_local_experts(mlp)
         # Local norms are separate modules; these names map them onto the fused TE layout so
         # local and TE checkpoints interchange (an MoE layer keeps its own pre-MLP norm in TE).
         keys_map = {} if fused_norm else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
@@ -212,6 +231,25 @@ def decoder_block_spec(config: TransformerConfig, *, use_transformer_engine: boo
         local_specs = layer_specs[offset:offset + num_layers]
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
         layer_specs=local_specs, layer_norm=norm if use_transformer_engine else LNImpl))
+
+
+def _with_grouped_local_experts(moe_layer_builder):
+    """The local spec's MoELayer builder with `GroupedSequentialMLP` (models/grouped_experts.py:
+    the same parameters as megatron's SequentialMLP, two grouped GEMMs instead of a loop over the
+    experts on CPU) in place of SequentialMLP."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from models.grouped_experts import GroupedSequentialMLP
+
+    submodules = moe_layer_builder.keywords["submodules"]
+    experts = submodules.experts
+    if not (isinstance(experts, functools.partial) and experts.func is SequentialMLP):
+        raise TypeError(f"expected megatron's local SequentialMLP experts builder, got {experts!r} "
+                        "(megatron-core's local MoE spec changed; update models/common.py)")
+    grouped = functools.partial(GroupedSequentialMLP, *experts.args, **experts.keywords)
+    return functools.partial(moe_layer_builder.func, *moe_layer_builder.args,
+                             **{**moe_layer_builder.keywords,
+                                "submodules": dataclasses.replace(submodules, experts=grouped)})
 
 
 def standard_decoder_spec(config: TransformerConfig, *, use_transformer_engine: bool,

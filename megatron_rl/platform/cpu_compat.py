@@ -7,7 +7,9 @@ and only when `torch.cuda.is_available()` is False: on a GPU machine it returns 
 anything. Each shim is commented with what breaks without it. Shims 1-8 are the ones listed
 (and confirmed necessary by switching each off) in /work/shared/CPU_STACK.md; shim 9 (torch AdamW
 checkpoint loading) was found while building the trainer's resharding checkpoints; shim 10 (the
-multi-tensor fallbacks) is a speed fix from profiling the CPU train step (docs/trainer_speed.md).
+multi-tensor fallbacks) is a speed fix from profiling the CPU train step (docs/trainer_speed.md),
+as are shim 11 (a one-rank parameter all-gather done as a copy) and shim 7's RMSNorm with a
+one-node backward.
 The nvidia-resiliency-ext version skew that breaks `import megatron.core` is not CPU-specific and
 is handled in megatron_rl/_nvrx_compat.py. Call `activate_cpu_compat()` before the first
 `import megatron.core` (shim 1 must be in place before that import).
@@ -44,6 +46,7 @@ def activate_cpu_compat() -> bool:
     _shim_alltoall_splits_on_cpu()
     _shim_torch_adamw_reshardable_load()
     _shim_multi_tensor_fallbacks()
+    _shim_single_rank_param_all_gather()
     _ACTIVE = True
     return True
 
@@ -202,10 +205,17 @@ def _shim_streams_and_events() -> None:
 #    weights carry `sequence_parallel=True`: finalize_model_grads then all-reduces their grads over
 #    TP (each rank saw a different sequence shard). With fp32_residual_connection the input is fp32
 #    while the weights may be bf16; compute in the input's dtype instead of failing.
-class _SequenceParallelRMSNorm(torch.nn.RMSNorm):
+#    RMSNorm is built as `_CPURMSNorm` at every layout: torch.nn.RMSNorm (same `weight`, same state
+#    dict) whose fp32 forward and backward are one autograd node (megatron_rl/ops/rms_norm.py:
+#    bit-identical forward, closed-form backward) instead of torch's six-node composite; on CPU at
+#    test sizes the nine norms were ~10% of the trainer's profiled step (docs/trainer_speed.md).
+class _CPURMSNorm(torch.nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron_rl.ops.rms_norm import rms_norm
+
         weight = self.weight.to(x.dtype) if self.weight is not None else None
-        return torch.nn.functional.rms_norm(x, self.normalized_shape, weight, self.eps)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return rms_norm(x, weight, eps)
 
 
 class _SequenceParallelLayerNorm(torch.nn.LayerNorm):
@@ -221,15 +231,18 @@ def _shim_sequence_parallel_torch_norm() -> None:
     original_new = WrappedTorchNorm.__new__
 
     def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
-        if not config.sequence_parallel and not config.fp32_residual_connection:
-            return original_new(cls, config, hidden_size, eps, *args, **kwargs)
         # Let the original validate everything else; only the SP assertion is lifted.
-        unchecked = copy.copy(config)
-        object.__setattr__(unchecked, "sequence_parallel", False)
+        unchecked = config
+        if config.sequence_parallel:
+            unchecked = copy.copy(config)
+            object.__setattr__(unchecked, "sequence_parallel", False)
         reference = original_new(cls, unchecked, hidden_size, eps, *args, **kwargs)
-        norm_cls = (_SequenceParallelRMSNorm if isinstance(reference, torch.nn.RMSNorm)
-                    else _SequenceParallelLayerNorm)
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        if isinstance(reference, torch.nn.RMSNorm):
+            norm = _CPURMSNorm(normalized_shape=hidden_size, eps=eps)
+        elif config.sequence_parallel or config.fp32_residual_connection:
+            norm = _SequenceParallelLayerNorm(normalized_shape=hidden_size, eps=eps)
+        else:
+            return reference
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
@@ -315,3 +328,29 @@ def _shim_multi_tensor_fallbacks() -> None:
         clip_grads.l2_norm_impl = _foreach_l2_norm
     if clip_grads.multi_tensor_scale_impl is local_multi_tensor_scale:
         clip_grads.multi_tensor_scale_impl = _foreach_scale
+
+
+# 11. The distributed optimizer all-gathers every parameter bucket after each step
+#    (param_and_grad_buffer.start_param_sync). Over a group of one rank that gather has nothing to
+#    do: the rank's shard is the whole bucket, the same memory as the output. Yet on CPU a gloo
+#    all-gather of a large buffer leaves torch's multi-threaded CPU ops ~5-10x slower for a second
+#    or more afterwards (measured with OMP_NUM_THREADS=2: a [1008, 1, 64] multiply 8 -> 100 us, a
+#    small all-gather or an all-reduce does not do it; the cause inside gloo / OpenMP was not
+#    pinned down), which made every op of the next training step slow. A synchronous all-gather
+#    over a one-rank group is therefore done as what it means, a copy (none when input and output
+#    are the same memory); every other call is megatron's own.
+def _shim_single_rank_param_all_gather() -> None:
+    from megatron.core.distributed import param_and_grad_buffer
+
+    original = param_and_grad_buffer.dist_all_gather_func
+
+    def all_gather(output, input, group=None, async_op=False):
+        if async_op or output.numel() != input.numel() or \
+                torch.distributed.get_world_size(group) != 1:
+            return original(output, input, group=group, async_op=async_op)
+        if output.data_ptr() != input.data_ptr():
+            output.view(-1).copy_(input.view(-1))
+        return None
+
+    param_and_grad_buffer.dist_all_gather_func = all_gather
+
