@@ -9,7 +9,7 @@ anything. Each shim is commented with what breaks without it. Shims 1-8 are the 
 checkpoint loading) was found while building the trainer's resharding checkpoints; shim 10 (the
 multi-tensor fallbacks) is a speed fix from profiling the CPU train step (docs/trainer_speed.md),
 as are shim 11 (a one-rank parameter all-gather done as a copy) and shim 7's RMSNorm with a
-one-node backward.
+one-node backward; shim 12 (RoPE positions under context parallelism) came with CP.
 The nvidia-resiliency-ext version skew that breaks `import megatron.core` is not CPU-specific and
 is handled in megatron_rl/_nvrx_compat.py. Call `activate_cpu_compat()` before the first
 `import megatron.core` (shim 1 must be in place before that import).
@@ -47,6 +47,7 @@ def activate_cpu_compat() -> bool:
     _shim_torch_adamw_reshardable_load()
     _shim_multi_tensor_fallbacks()
     _shim_single_rank_param_all_gather()
+    _shim_rope_context_parallel_positions()
     _ACTIVE = True
     return True
 
@@ -354,3 +355,19 @@ def _shim_single_rank_param_all_gather() -> None:
 
     param_and_grad_buffer.dist_all_gather_func = all_gather
 
+
+# 12. Context parallelism (CP > 1): megatron's RoPE picks each CP rank's positions
+#    (`rotary_pos_embedding.get_pos_emb_on_this_cp_rank`) with a pin_memory=True index, which a
+#    CPU-only torch refuses ("pin_memory=True requires a CUDA ..."). Rebound to the same
+#    load-balanced selection (megatron_rl/trainer/batch.py `load_balanced_positions`, the layout
+#    the trainer splits its micro-batches in) without pinning.
+def _shim_rope_context_parallel_positions() -> None:
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    from megatron_rl.trainer.batch import load_balanced_positions
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        keep = load_balanced_positions(pos_emb.shape[seq_dim], cp_group.rank(), cp_group.size())
+        return pos_emb.index_select(seq_dim, keep.to(pos_emb.device))
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank

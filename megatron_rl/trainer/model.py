@@ -131,28 +131,6 @@ def check_context_parallel(layout: ParallelLayout, *, use_transformer_engine: bo
             "parallelism), but NVTE_FLASH_ATTN=0 and NVTE_FUSED_ATTN=0; unset one of them")
 
 
-def use_cpu_rope_context_parallel_split() -> None:
-    """megatron-core's RoPE picks each CP rank's positions (`get_pos_emb_on_this_cp_rank`) with a
-    pin_memory=True index, which a CPU-only torch refuses ("pin_memory=True requires a CUDA ...").
-    Without CUDA, rebind it in rotary_pos_embedding to the same load-balanced selection without
-    pinning (trainer/batch.py load_balanced_positions). No-op on GPU."""
-    if torch.cuda.is_available():
-        return
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
-
-    from megatron_rl.trainer.batch import load_balanced_positions
-
-    if getattr(rotary_pos_embedding.get_pos_emb_on_this_cp_rank, "cpu_safe", False):
-        return
-
-    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
-        keep = load_balanced_positions(pos_emb.shape[seq_dim], cp_group.rank(), cp_group.size())
-        return pos_emb.index_select(seq_dim, keep.to(pos_emb.device))
-
-    get_pos_emb_on_this_cp_rank.cpu_safe = True
-    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
-
-
 def recompute_overrides(granularity: str) -> dict[str, Any]:
     """TransformerConfig fields for train.recompute_granularity (none / selective / full)."""
     if granularity == "none":
@@ -191,8 +169,6 @@ def build_model(family, size: str, layout: ParallelLayout, groups: ParallelGroup
                  **(config_overrides or {})}
     check_context_parallel(layout, use_transformer_engine=precision.use_transformer_engine,
                            cp_comm_type=overrides.get("cp_comm_type"))
-    if layout.context_parallel_size > 1:
-        use_cpu_rope_context_parallel_split()
     if overrides.get("recompute_granularity") and not torch.cuda.is_available():
         raise ValueError(
             f"train.recompute_granularity={overrides['recompute_granularity']!r} needs a CUDA "
