@@ -7,15 +7,6 @@ import torch
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(scope="module")
-def megatron_process_group():
-    from megatron_rl.platform import destroy_distributed, init_distributed
-
-    init_distributed(seed=1234)
-    yield
-    destroy_distributed()
-
-
 def test_one_rank_param_all_gather_is_a_copy(megatron_process_group):
     import torch.distributed as dist
     from megatron.core.distributed import param_and_grad_buffer

@@ -21,15 +21,6 @@ BATCH = 2
 TOLERANCE = 2e-5  # fp32, max |diff| (values are O(1))
 
 
-@pytest.fixture(scope="module")
-def megatron_process_group():
-    from megatron_rl.platform import destroy_distributed, init_distributed
-
-    init_distributed(seed=1234)
-    yield
-    destroy_distributed()
-
-
 def _load(model, weights: dict[str, torch.Tensor]) -> None:
     state = model.state_dict()
     params = {name for name, _ in model.named_parameters()}

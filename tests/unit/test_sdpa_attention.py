@@ -10,15 +10,6 @@ pytestmark = pytest.mark.unit
 TOLERANCE = 1e-5  # fp32, values O(1)
 
 
-@pytest.fixture(scope="module")
-def megatron_process_group():
-    from megatron_rl.platform import destroy_distributed, init_distributed
-
-    init_distributed(seed=1234)
-    yield
-    destroy_distributed()
-
-
 def _config(**changes):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
