@@ -17,6 +17,11 @@ Under `ft_launcher`, nvrx restarts ranks itself; here Ray starts them, so only t
 client are used. It runs on CPU (it needs no GPU; its NIC health check finds no InfiniBand and is
 off). Where nvidia-resiliency-ext cannot be imported, `RankMonitor.start` returns None with the
 reason, and a hang is caught by the driver's step timeout alone.
+
+Files: each monitor keeps its sockets (ours and the one nvrx's server opens for a launcher, which
+it puts in the temporary directory: TMPDIR points there) in a directory named after the rank's
+pid, removed by `close`. A rank that is killed (the monitor dies with it) cannot remove it, so
+`start` first removes the directories of ranks that no longer exist.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +39,7 @@ from collections.abc import Iterator
 SECTIONS = ("train_step", "weight_sync", "checkpoint")
 CALIBRATE_AFTER = 3  # train steps seen before the train_step timeout is recalibrated
 _START_TIMEOUT_S = 180.0  # importing torch and nvrx in the monitor; generous on a loaded host
+_SOCKET_DIR_PREFIX = "megatron_rl_rank_monitor_"  # + the rank's pid + "_" + random
 
 _log = logging.getLogger(__name__)
 
@@ -57,7 +64,8 @@ class RankMonitor:
             return None, f"nvidia-resiliency-ext does not import ({type(exc).__name__}: {exc})"
         for name in ("nvidia_resiliency_ext", "RankMonServer"):  # per-section debug chatter
             logging.getLogger(name).setLevel(logging.WARNING)
-        socket_dir = tempfile.mkdtemp(prefix="megatron_rl_rank_monitor_")
+        remove_stale_socket_dirs(tempfile.gettempdir())
+        socket_dir = tempfile.mkdtemp(prefix=f"{_SOCKET_DIR_PREFIX}{os.getpid()}_")
         socket_path = os.path.join(socket_dir, "rmon.socket")
         os.environ[FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR] = socket_path
         timeouts = {"rank_section_timeouts": {name: timeout_s for name in SECTIONS},
@@ -66,7 +74,8 @@ class RankMonitor:
         # __main__ (a Ray worker's, or a script's), and a fork would copy the rank's threads.
         server = subprocess.Popen(
             [sys.executable, "-m", "megatron_rl.resilience.rank_monitor", str(os.getpid()),
-             socket_path, json.dumps(timeouts)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+             socket_path, json.dumps(timeouts)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            env={**os.environ, "TMPDIR": socket_dir})  # nvrx's launcher socket goes there too
         ready, _, _ = select.select([server.stdout], [], [], _START_TIMEOUT_S)
         if not ready or server.stdout.readline().strip() != b"ready":
             server.kill()
@@ -101,10 +110,30 @@ class RankMonitor:
         self._server.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._server.wait(timeout=10)
-        with contextlib.suppress(OSError):
-            for name in os.listdir(self._socket_dir):
-                os.unlink(os.path.join(self._socket_dir, name))
-            os.rmdir(self._socket_dir)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+def remove_stale_socket_dirs(parent: str) -> list[str]:
+    """Remove the socket directories under `parent` whose rank process no longer exists (it
+    was killed before its `close`); returns their names. A directory whose pid is alive (or
+    unreadable) is kept."""
+    removed = []
+    for name in os.listdir(parent):
+        if not name.startswith(_SOCKET_DIR_PREFIX):
+            continue
+        pid = name[len(_SOCKET_DIR_PREFIX):].split("_", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        removed.append(name)
+    return removed
 
 
 

@@ -114,3 +114,22 @@ def test_asynchronous_save_is_refused_without_cuda_with_the_reason():
                                            "never"):
         save_checkpoint("unused", None, None, None, layout=None, groups=None, step=1,
                         num_skipped_steps=0, async_save=True)
+
+
+def test_stale_rank_monitor_socket_dirs_are_removed_and_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from megatron_rl.resilience.rank_monitor import remove_stale_socket_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # reaped: its pid names no process
+    names = {"stale": f"megatron_rl_rank_monitor_{dead.pid}_abc",
+             "live": f"megatron_rl_rank_monitor_{os.getpid()}_def",
+             "other": "megatron_rl_rank_monitor_notapid", "unrelated": f"something_{dead.pid}_x"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"_ft_launcher{dead.pid}_to_rmon.socket").write_text("")
+    assert remove_stale_socket_dirs(str(tmp_path)) == [names["stale"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        n for k, n in names.items() if k != "stale")
