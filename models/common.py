@@ -83,13 +83,14 @@ def make_transformer_config(config_cls: type, architecture: dict[str, Any],
     fields.update(overrides)
     if (not use_transformer_engine and "moe_token_dispatcher_type" not in overrides
             and fields.get("moe_token_dispatcher_type") == "alltoall"
-            and _experts_on_one_rank(fields)):
+            and _experts_on_one_rank(fields) and not fields.get("variable_seq_lengths")):
         # With neither tensor nor expert parallelism no token leaves the rank, and megatron's
         # allgather dispatcher then only permutes and unpermutes (the same permute/unpermute
         # as alltoall's, so bit-identical results), where alltoall also sorts chunks by local
         # expert both ways and goes through identity all-to-all autograd functions
         # (docs/trainer_speed.md, third pass). Layouts with TP or EP keep the family's
-        # alltoall dispatcher; Transformer Engine runs are unchanged.
+        # alltoall dispatcher, and so do variable sequence lengths (pipeline parallelism:
+        # megatron's allgather dispatcher refuses them); Transformer Engine runs are unchanged.
         fields["moe_token_dispatcher_type"] = "allgather"
     if fields.get("pipeline_model_parallel_size", 1) > 1:
         # Megatron requires the dtype of tensors sent between stages; it is the parameter dtype.

@@ -1,7 +1,8 @@
 """What the local (CPU) spec changes in megatron's defaults for speed (docs/trainer_speed.md,
 third pass), and where it does not: routed experts are GroupedSequentialMLP on the local spec
 only; the allgather dispatcher replaces the family's alltoall only without tensor or expert
-parallelism, never over an explicit override and never with Transformer Engine."""
+parallelism and without variable sequence lengths (pipeline parallelism), never over an explicit
+override and never with Transformer Engine."""
 import pytest
 
 pytestmark = pytest.mark.unit
@@ -25,6 +26,10 @@ def test_dispatcher_choice(models_pkg, family_name):
     assert family.transformer_config("tiny", **parallel).moe_token_dispatcher_type == "alltoall"
     assert family.transformer_config(
         "tiny", expert_model_parallel_size=2).moe_token_dispatcher_type == "alltoall"
+    # Pipeline parallelism sends variable sequence lengths, which allgather refuses.
+    assert family.transformer_config(
+        "tiny", pipeline_model_parallel_size=2,
+        variable_seq_lengths=True).moe_token_dispatcher_type == "alltoall"
     assert family.transformer_config(
         "tiny", moe_token_dispatcher_type="alltoall").moe_token_dispatcher_type == "alltoall"
     assert family.transformer_config(
