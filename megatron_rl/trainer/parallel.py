@@ -84,7 +84,6 @@ class ParallelGroups:
     # Context parallelism: each sequence split over the CP ranks (load-balanced, trainer/batch.py).
     # dp_cp is the group Megatron DDP reduces dense gradients over (data parallel WITH context
     # parallel); None: no CP, the same as dp.
-    cp: torch.distributed.ProcessGroup | None = None
     dp_cp: torch.distributed.ProcessGroup | None = None
     cp_rank: int = 0
     cp_size: int = 1
@@ -121,7 +120,6 @@ class ParallelGroups:
             tp_size=ps.get_tensor_model_parallel_world_size(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             dp_size=ps.get_data_parallel_world_size(),
-            cp=ps.get_context_parallel_group(),
             dp_cp=ps.get_data_parallel_group(with_context_parallel=True),
             cp_rank=ps.get_context_parallel_rank(),
             cp_size=ps.get_context_parallel_world_size(),
