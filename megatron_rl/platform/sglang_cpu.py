@@ -47,11 +47,11 @@ breaks without it (CPU_STACK.md, verified by switching it off):
    then gives the profile the room for it instead of failing. See `_kv_budget_for_max_tokens`.
 12. Start-up cost, not correctness: SGLang starts its scheduler(s) and detokenizer with
    multiprocessing's spawn, so each child imports torch, transformers and sglang again (~10 s of
-   CPU each, ~2/3 of a tiny server's start on 2 cores). On CPU the children are forked from a
-   forkserver instead, which imports all that once, with these fixes applied, before any thread
-   or OpenMP pool exists (`megatron_rl.platform.sglang_forkserver`). The children's pickled
-   arguments and the `__mp_main__` re-import are as with spawn. See `_start_children_forked`
-   (MEGATRON_RL_SGLANG_SPAWN=1 switches it off).
+   CPU each, ~2/3 of a tiny server's start on 2 cores). On CPU the children are forked from the
+   server process instead, which has imported all that with these fixes applied, when it runs no
+   other thread than a sleeping watcher (checked: no OpenMP pool or I/O thread is copied); else
+   from a forkserver that preloads it (`megatron_rl.platform.sglang_forkserver`). See
+   `_start_children_forked` (MEGATRON_RL_SGLANG_CHILDREN=fork|forkserver|spawn chooses).
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def apply_sglang_cpu_fixes() -> bool:
         _patch_on_import("sglang.srt.weight_sync.tensor_bucket", _patch_tensor_bucket)
         _patch_on_import("sglang.srt.state_capturer.base", _patch_routed_experts_host_cache)
         _patch_on_import("sglang.srt.mem_cache.kv_cache_configurator", _patch_kv_budget)
-        if os.environ.get(SPAWN_CHILDREN_ENV) != "1":
+        if child_start_method() != "spawn":
             _patch_on_import("sglang.srt.entrypoints.engine", _patch_child_start_method)
         if os.environ.get(SAMPLING_SEEDS_ENV) == "1":
             _patch_on_import("sglang.srt.sampling.sampling_batch_info", _patch_sampling_seeds)
@@ -506,31 +506,82 @@ def _patch_kv_budget(module) -> None:
         configurator._profile_available_bytes, module.get_schedule)
 
 
-# 12. SGLang's children forked from a preloaded forkserver instead of spawned (start-up cost).
-#     SGLang sets the start method to spawn in `_set_envs_and_config`, just before it starts
-#     the scheduler and detokenizer processes; the wrapper switches to forkserver right after.
-#     The forkserver process is spawned once per server on the first child's start (with the
-#     environment SGLang has set up by then) and preloads `megatron_rl.platform.sglang_forkserver`:
-#     these fixes, the scheduler and detokenizer modules, and a SIGQUIT relay (SGLang's children
-#     report a crash with SIGQUIT to their parent process, which is now the forkserver; the relay
-#     passes it on to the server process, whose handler ends the server as before). The children
-#     still exit with their parent chain (PR_SET_PDEATHSIG; the forkserver exits when the server
-#     process does). The server's child environment tweaks that happen per child start (NUMA
-#     binding, GPU memory saver) are GPU features; this fix is CPU-only like the others.
-#     MEGATRON_RL_SGLANG_SPAWN=1 in the server's environment keeps SGLang's spawn (a fallback,
-#     and the baseline of benchmarks/sglang_start.py).
+# 12. SGLang's children forked instead of spawned (start-up cost). SGLang sets the start method to
+#     spawn in `_set_envs_and_config`, just before it starts the scheduler(s) and the
+#     detokenizer; the wrapper switches it right after, to
+#     - fork, when the server process runs no thread but the main one and the launcher's
+#       `exit-with-parent` watcher (a Python thread that sleeps; checked in /proc, so that no
+#       native thread, e.g. an OpenMP pool, a ZMQ or gRPC I/O thread, goes unseen): nothing can
+#       hold a lock across the fork, and the children start with sglang and these fixes already
+#       imported. SGLang's children set PR_SET_PDEATHSIG themselves and report a crash with
+#       SIGQUIT to their parent, the server process, as with spawn;
+#     - otherwise, forkserver: one process per server, spawned on the first child's start, that
+#       preloads `megatron_rl.platform.sglang_forkserver` (these fixes, the scheduler and
+#       detokenizer modules, PR_SET_PDEATHSIG to the server process and a SIGQUIT relay to it)
+#       before any thread exists. It imports sglang once more (~10 s of CPU), where spawn
+#       imports it once per child.
+#     The server's child environment tweaks done per child start (NUMA binding, GPU memory
+#     saver) are GPU features; this fix is CPU-only like the others.
+#     MEGATRON_RL_SGLANG_CHILDREN=fork|forkserver|spawn in the server's environment chooses
+#     (default fork, which falls back to forkserver as above; spawn is SGLang's own).
+#     benchmarks/sglang_start.py measures the three.
 FORKSERVER_PRELOAD = ("megatron_rl.platform.sglang_forkserver",)
-SPAWN_CHILDREN_ENV = "MEGATRON_RL_SGLANG_SPAWN"
+CHILD_START_ENV = "MEGATRON_RL_SGLANG_CHILDREN"
+CHILD_START_METHODS = ("fork", "forkserver", "spawn")
+_FORK_SAFE_THREADS = ("exit-with-parent",)  # megatron_rl.rollout.sglang_launch's watcher
+
+
+def child_start_method() -> str:
+    """How SGLang's children start in this server process (CHILD_START_ENV; default fork)."""
+    method = os.environ.get(CHILD_START_ENV, "fork")
+    if method not in CHILD_START_METHODS:
+        raise ValueError(f"{CHILD_START_ENV}={method!r}: use one of {CHILD_START_METHODS}")
+    return method
+
+
+def threads_unsafe_to_fork() -> list[str]:
+    """The threads of this process, other than the main one and the known sleeping watchers,
+    that a fork would copy mid-work (native threads show as their /proc comm names)."""
+    import threading
+
+    python = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    unsafe = []
+    for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):
+        if tid == main or python.get(tid) in _FORK_SAFE_THREADS:
+            continue
+        if tid in python:
+            unsafe.append(python[tid])
+        else:
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    unsafe.append(f"native thread {f.read().strip()!r}")
+            except OSError:  # it ended meanwhile
+                continue
+    return unsafe
 
 
 def _start_children_forked(set_envs_and_config):
     @functools.wraps(set_envs_and_config)
     def wrapper(*args, **kwargs):
+        import logging
         import multiprocessing
 
         result = set_envs_and_config(*args, **kwargs)
-        multiprocessing.set_start_method("forkserver", force=True)
-        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        method = child_start_method()
+        if method == "fork":
+            unsafe = threads_unsafe_to_fork()
+            if not unsafe:
+                multiprocessing.set_start_method("fork", force=True)
+                return result
+            logging.getLogger(__name__).info(
+                "SGLang's children start from a forkserver, not forked: threads running in the "
+                "server process (%s; e.g. numpy's OpenBLAS pool when OMP_NUM_THREADS or "
+                "OPENBLAS_NUM_THREADS > 1)", ", ".join(unsafe))
+            method = "forkserver"
+        if method == "forkserver":
+            multiprocessing.set_start_method("forkserver", force=True)
+            multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
         return result
 
     return wrapper

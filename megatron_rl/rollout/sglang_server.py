@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -282,11 +283,12 @@ class SGLangServer:
     """An SGLang server subprocess (its own process group: shutdown ends all its processes)."""
 
     def __init__(self, settings: SGLangServerSettings, process: subprocess.Popen, port: int,
-                 log_path: str):
+                 log_path: str, scratch_dir: str | None = None):
         self.settings = settings
         self.process = process
         self.port = port
         self.log_path = log_path
+        self.scratch_dir = scratch_dir  # the server's TMPDIR, removed at shutdown
 
     @property
     def url(self) -> str:
@@ -294,11 +296,19 @@ class SGLangServer:
 
     @classmethod
     def launch(cls, settings: SGLangServerSettings, *, wait: bool = True) -> "SGLangServer":
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
         from megatron_rl.platform.sglang_cpu import SAMPLING_SEEDS_ENV, sglang_cpu_environment
 
         port = settings.port or free_port(settings.host)
         log_path = settings.log_path or tempfile.mkstemp(prefix="sglang_", suffix=".log")[1]
         env = dict(os.environ)
+        # SGLang names its ZMQ sockets (and multiprocessing its forkserver's) with temporary
+        # files that nothing removes: give each server a directory of its own, removed at
+        # shutdown. Inductor's compile cache stays where it is shared (its default).
+        scratch = tempfile.mkdtemp(prefix="megatron_rl_sglang_")
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+        env["TMPDIR"] = scratch
         if settings.resolved_device == "cpu":
             env.update(sglang_cpu_environment())
             env.update(settings.cpu_environment())
@@ -316,11 +326,15 @@ class SGLangServer:
                 env[_DISABLED_MODELS_ENV] = ",".join(unused)
         command = [sys.executable, "-m", "megatron_rl.rollout.sglang_launch",
                    *settings.server_args(port)]
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                       cwd=str(Path(__file__).resolve().parents[2]),
-                                       start_new_session=True)
-        server = cls(settings, process, port, log_path)
+        try:
+            with open(log_path, "ab") as log:
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                           env=env, cwd=str(Path(__file__).resolve().parents[2]),
+                                           start_new_session=True)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        server = cls(settings, process, port, log_path, scratch_dir=scratch)
         if wait:
             try:
                 server.wait_until_healthy()
@@ -344,20 +358,43 @@ class SGLangServer:
         if self.settings.freeze_gc:
             SGLangGenerator(self.url, server=self).freeze_gc()
 
-    def shutdown(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL if it lingers."""
-        if self.process.poll() is not None:
-            return
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
+    def shutdown(self, timeout_s: float = 20.0, *, graceful: bool | None = None) -> None:
+        """End the server and every process of its group, then remove its temporary files.
+
+        graceful (default: on GPU): SIGTERM to the server process alone. SGLang then drains,
+        asks its schedulers to release their GPU memory and ends its process tree (a SIGTERM to
+        the whole group would kill the schedulers mid-release, and their death sends the server
+        into its crash path, which sleeps 5 s before py-spy diagnostics). SIGKILL to the group
+        if it has not ended within timeout_s. Not graceful (default on CPU, where there is
+        nothing to release): SIGKILL to the group at once."""
+        if graceful is None:
+            graceful = self.settings.resolved_device != "cpu"
+        try:
+            if self.process.poll() is not None:
+                return  # reaped: its pid, and so its group id, may belong to another process now
+            if graceful:
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=timeout_s)
+                    return  # SGLang ended its own processes before it exited
+                except subprocess.TimeoutExpired:
+                    pass
+            _kill_group(self.process.pid)  # alive, not reaped: the group id is still its own
             try:
                 self.process.wait(timeout=timeout_s)
-                return
             except subprocess.TimeoutExpired:
-                continue
+                pass  # unkillable (D state): nothing more to do from here
+        finally:
+            if self.scratch_dir is not None:
+                shutil.rmtree(self.scratch_dir, ignore_errors=True)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL every process of group `pgid` (a server's: it leads its own session)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def wait_for_health(url: str, timeout_s: float, *, exit_error=lambda: None,

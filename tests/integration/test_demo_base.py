@@ -13,9 +13,11 @@ transformers with chunking switched off fails by far more past the first chunk (
 1.15), so the comparison sees the chunked attention.
 
 Then, on the same server: SIGKILL to the server process alone (a crashed or killed generator)
-ends every process of it. On CPU SGLang's scheduler and detokenizer are forked from a forkserver
-(platform/sglang_cpu.py, fix 12), so this checks the chain that fix relies on: the forkserver ends
-with the server process, the children with the forkserver.
+ends every process of it. This server's scheduler and detokenizer start from a forkserver
+(platform/sglang_cpu.py, fix 12's fallback; the default forks them from the server process, and
+tests/integration/test_sglang_weight_sync.py ends such a server), so this checks the chain the
+fallback relies on: the forkserver ends with the server process, the children with the
+forkserver.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ MEAN_TOLERANCE = 0.03
 def served_demo_size(tmp_path_factory):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from megatron_rl.platform.sglang_cpu import CHILD_START_ENV
     from megatron_rl.rollout import SGLangGenerator, SGLangServer, SGLangServerSettings
     from models import get_model_family
     from models.llama4.convert import write_sglang_layout
@@ -48,10 +51,14 @@ def served_demo_size(tmp_path_factory):
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config_dict))
     model.to(torch.bfloat16).save_pretrained(directory / "text")
     served = write_sglang_layout(directory / "text", directory / "served")
-    server = SGLangServer.launch(SGLangServerSettings(
-        model_path=str(served), dtype="bfloat16", mem_fraction_static=0.05,
-        max_total_tokens=4096, startup_timeout_s=240, request_timeout_s=120,
-        log_path=str(directory / "server.log")))
+    # This server's children start from the forkserver (fix 12's fallback, which the default
+    # fork takes when the server process runs other threads): the SIGKILL test checks its chain.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CHILD_START_ENV, "forkserver")
+        server = SGLangServer.launch(SGLangServerSettings(
+            model_path=str(served), dtype="bfloat16", mem_fraction_static=0.05,
+            max_total_tokens=4096, startup_timeout_s=240, request_timeout_s=120,
+            log_path=str(directory / "server.log")))
     try:
         yield directory / "text", SGLangGenerator(server.url, server=server)
     finally:
@@ -105,7 +112,7 @@ def test_sigkill_of_the_server_process_ends_all_of_its_processes(served_demo_siz
     children = psutil.Process(server.process.pid).children(recursive=True)
     names = {" ".join(p.cmdline()) for p in children}
     assert any("sglang::scheduler" in n for n in names), names
-    assert any("multiprocessing.forkserver" in n for n in names), names  # fix 12 is active
+    assert any("multiprocessing.forkserver" in n for n in names), names  # fix 12's fallback is active
     os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait()
     deadline = time.monotonic() + 60

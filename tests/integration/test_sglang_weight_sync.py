@@ -161,3 +161,41 @@ def test_server_error_message_reaches_the_caller(llama_generator):
             [TensorSpec(name="model.norm.weight", dtype=torch.float32, shape=(64,))],
             group_name="none", version=99)
     assert llama_generator.is_healthy()
+
+
+def test_graceful_shutdown_ends_every_process_and_removes_its_files(tiny_llama_server):
+    """The shared server's last test ends it as on GPU (`shutdown(graceful=True)`: SIGTERM to
+    the server process alone): SGLang drains and ends its own processes, without going through
+    its crash path; the server's temporary directory (its ZMQ sockets) is removed. (On CPU the
+    default is a SIGKILL of the whole group, which ends every other server of the suite.)"""
+    import psutil
+
+    tiny_llama_server.fresh()
+    server, tiny_llama_server.server = tiny_llama_server.server, None  # this test ends it
+    children = psutil.Process(server.process.pid).children(recursive=True)
+    processes = [psutil.Process(server.process.pid), *children]
+    # Fix 12's default on CPU: scheduler and detokenizer forked from the server process itself.
+    scheduler = [p for p in children if "sglang::scheduler" in " ".join(p.cmdline())]
+    assert len(scheduler) == 1 and scheduler[0].ppid() == server.process.pid, \
+        [(p.pid, p.ppid(), " ".join(p.cmdline())[:80]) for p in children]
+    assert not any("multiprocessing.forkserver" in " ".join(p.cmdline()) for p in children)
+    scratch = Path(server.scratch_dir)
+    assert any(p.is_socket() for p in scratch.iterdir())  # SGLang's sockets are there
+    server.shutdown(graceful=True, timeout_s=120)
+    assert server.process.returncode == 0  # it ended itself: no SIGKILL was needed
+    log = Path(server.log_path).read_text(errors="replace")
+    assert "Application shutdown complete" in log and "SIGQUIT received" not in log, log[-3000:]
+    deadline = time.monotonic() + 60
+    while (alive := [p for p in processes if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, [" ".join(p.cmdline()) for p in alive]
+    assert not scratch.exists()
+
+
+def _alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
