@@ -9,7 +9,9 @@ anything. Each shim is commented with what breaks without it. Shims 1-8 are the 
 checkpoint loading) was found while building the trainer's resharding checkpoints; shim 10 (the
 multi-tensor fallbacks) is a speed fix from profiling the CPU train step (docs/trainer_speed.md),
 as are shim 11 (a one-rank parameter all-gather done as a copy) and shim 7's RMSNorm with a
-one-node backward; shim 12 (RoPE positions under context parallelism) came with CP.
+one-node backward; shim 12 (RoPE positions under context parallelism) came with CP; shim 13
+(an in-process queue for the synchronous checkpoint writer) is a start-up cost fix; shim 14 (the
+attention's RoPE in one autograd node) is another speed fix of the train step.
 The nvidia-resiliency-ext version skew that breaks `import megatron.core` is not CPU-specific and
 is handled in megatron_rl/_nvrx_compat.py. Call `activate_cpu_compat()` before the first
 `import megatron.core` (shim 1 must be in place before that import).
@@ -48,6 +50,8 @@ def activate_cpu_compat() -> bool:
     _shim_multi_tensor_fallbacks()
     _shim_single_rank_param_all_gather()
     _shim_rope_context_parallel_positions()
+    _shim_checkpoint_write_results_queue()
+    _shim_attention_rope_one_node()
     _ACTIVE = True
     return True
 
@@ -371,3 +375,50 @@ def _shim_rope_context_parallel_positions() -> None:
         return pos_emb.index_select(seq_dim, keep.to(pos_emb.device))
 
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+# 13. Megatron's checkpoint writer (dist_checkpointing/strategies/filesystem_async.py) passes the
+#    write results through a queue that an asynchronous writer process can also reach: on the
+#    first save of a process it starts a multiprocessing Manager with spawn, a server process that
+#    re-imports the caller's main module (~3 s of CPU in a trainer rank, and alive as long as the
+#    rank). On CPU every save is synchronous (the asynchronous writer needs CUDA:
+#    megatron_rl/trainer/checkpoint.py `async_save_unavailable`, refused before a save), and the
+#    results are written and read by this process: an in-process queue is the same queue.
+def _shim_checkpoint_write_results_queue() -> None:
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
+# 14. Without TE (whose fused RoPE needs CUDA; apply_rope_fusion is refused without it) megatron's
+#    attention rotates the query and the key with rope_utils' unfused composite: ~10 autograd nodes
+#    per call, per-op overhead in the profiled CPU step (docs/trainer_speed.md). The name the
+#    attention module calls, `attention.apply_rotary_pos_emb`, is rebound to one that computes the
+#    bshd case in one node (megatron_rl/ops/rope.py: bit-identical forward, closed-form backward):
+#    [s, b, h, d] CPU tensors without cu_seqlens, fusion, MLA interleaving or mRoPE, frequencies
+#    that need no gradient. Every other call is megatron's own function, and so are the other
+#    modules' (MLA, inference contexts) that import it under their own names. Context parallelism
+#    needs nothing here: in this layout the frequencies arrive already cut to the rank's positions
+#    (RotaryEmbedding.forward, shim 12) and megatron's bshd path does not read cp_group.
+def _shim_attention_rope_one_node() -> None:
+    from megatron.core.transformer import attention
+
+    from megatron_rl.ops.rope import apply_rotary
+
+    original = attention.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None,
+                             mla_rotary_interleaved=False):
+        if mla_rotary_interleaved is None:  # as megatron's function reads it
+            mla_rotary_interleaved = config.multi_latent_attention
+        if (cu_seqlens is not None or config.apply_rope_fusion or mla_rotary_interleaved
+                or config.mrope_section is not None or freqs.requires_grad or t.dim() != 4
+                or t.device.type != "cpu" or freqs.device.type != "cpu"):
+            return original(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale,
+                            cp_group=cp_group, mla_rotary_interleaved=mla_rotary_interleaved)
+        return apply_rotary(t, freqs, interleaved=config.rotary_interleaved, mscale=mscale)
+
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb

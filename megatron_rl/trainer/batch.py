@@ -22,6 +22,7 @@ computed on local positions only.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -273,39 +274,52 @@ def _padded_length(num_positions: int, multiple: int) -> int:
 
 
 def _collate(batch: TrainBatch, group: list[int], pad_to_multiple: int) -> MicroBatch:
-    # Whole-tensor ops per field rather than per-row slice assignments: a step packs every
-    # completion, and per-row indexing was ~500 small ops per step (docs/trainer_speed.md).
-    lengths = torch.tensor([batch.token_ids[i].numel() - 1 for i in group])  # [b]
-    length = _padded_length(int(lengths.max()), pad_to_multiple)
-    rows = len(group)
-    valid = torch.arange(length).expand(rows, length) < lengths.unsqueeze(1)  # [b, s]
+    # Each field is one concatenation of the group's completions and one gather into [b, s], ~50
+    # ops whatever the number of completions: per-completion slices and pads were ~190 small ops
+    # per step at test sizes (docs/trainer_speed.md). Position p of row r reads token p of its
+    # completion (input ids) or token p + 1 (targets, loss mask, old log-probs); padding reads
+    # a real token and is zeroed.
+    num_tokens = [batch.token_ids[i].numel() for i in group]  # L_i
+    starts = [0, *itertools.accumulate(num_tokens)][:-1]  # in the concatenation
+    length = _padded_length(max(num_tokens) - 1, pad_to_multiple)
+    positions = torch.arange(length)  # [s]
+    valid = positions < torch.tensor(num_tokens).unsqueeze(1) - 1  # [b, s]
+    source = torch.where(valid, torch.tensor(starts).unsqueeze(1) + positions, 0)  # [b, s]
+    next_source = source + 1  # [b, s]
+    rows = torch.tensor(group)  # [b]
 
-    def padded(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        out = torch.nn.utils.rnn.pad_sequence([t.to(dtype) for t in tensors], batch_first=True)
-        return torch.nn.functional.pad(out, (0, length - out.shape[1]))  # [b, s]
+    def concatenated(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        if len({t.dtype for t in tensors}) > 1:  # each converted as it is, before cat promotes
+            tensors = [t.to(dtype) for t in tensors]
+        return torch.cat(tensors).to(dtype)
 
     def per_row(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        values = values[group].to(dtype).unsqueeze(1)  # [b, 1]
-        return torch.where(valid, values, torch.zeros((), dtype=dtype))
+        values = torch.as_tensor(values).index_select(0, rows).to(dtype).unsqueeze(1)  # [b, 1]
+        return torch.where(valid, values, 0)
 
-    ids = [batch.token_ids[i] for i in group]
+    token_ids = concatenated([batch.token_ids[i] for i in group], torch.int64)
+    loss_mask = torch.cat([batch.loss_mask[i] for i in group])
+    old_logprobs = concatenated([batch.old_logprobs[i] for i in group], torch.float32)
     return MicroBatch(
-        input_ids=padded([t[:-1] for t in ids], torch.int64),
-        position_ids=torch.arange(length).repeat(rows, 1),
-        targets=padded([t[1:] for t in ids], torch.int64),
-        loss_mask=padded([batch.loss_mask[i][1:] != 0 for i in group], torch.bool),
-        old_logprobs=padded([batch.old_logprobs[i][1:] for i in group], torch.float32),
-        advantages=per_row(torch.as_tensor(batch.advantages), torch.float32),
-        sample_index=per_row(torch.as_tensor(batch.sample_ids), torch.int64),
-        prompt_index=per_row(torch.as_tensor(batch.prompt_ids), torch.int64),
+        input_ids=torch.where(valid, token_ids[source], 0),
+        position_ids=positions.repeat(len(group), 1),
+        targets=torch.where(valid, token_ids[next_source], 0),
+        loss_mask=torch.where(valid, loss_mask[next_source] != 0, False),
+        old_logprobs=torch.where(valid, old_logprobs[next_source], 0.0),
+        advantages=per_row(batch.advantages, torch.float32),
+        sample_index=per_row(batch.sample_ids, torch.int64),
+        prompt_index=per_row(batch.prompt_ids, torch.int64),
         padding_mask=~valid,
-        routed_experts=None if batch.routed_experts is None else padded_rows(
-            [batch.routed_experts[i] for i in group], length),
+        routed_experts=None if batch.routed_experts is None else _routed_rows(
+            [batch.routed_experts[i] for i in group], source, valid),
     )
 
 
-def padded_rows(tables: list[torch.Tensor], length: int) -> torch.Tensor:
-    """Per-position tables [L_i, w] right-padded with zeros to [b, length, w] (dtype kept)."""
-    out = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
-    return torch.nn.functional.pad(out, (0, 0, 0, length - out.shape[1])) if \
-        out.shape[1] < length else out
+def _routed_rows(tables: list[torch.Tensor], source: torch.Tensor,
+                 valid: torch.Tensor) -> torch.Tensor:
+    """Routing tables [L_i - 1, w] (one row per input position) gathered to [b, s, w], dtype
+    kept, zeros on padding. `source` indexes the concatenated tokens, where completion r starts
+    r entries later than its table does in the concatenated tables (one row fewer each)."""
+    shift = torch.arange(len(tables)).unsqueeze(1)  # [b, 1]
+    gathered = torch.cat(tables)[torch.where(valid, source - shift, 0)]  # [b, s, w]
+    return torch.where(valid.unsqueeze(-1), gathered, 0)
