@@ -57,6 +57,28 @@ def notice(message: str) -> None:
     tqdm.write(f"megatron-rl train: {message}", file=sys.stderr)
 
 
+class _Phases:
+    """Wall time of named start-up phases, for the operator's line (`with phases("Ray"): ...`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.monotonic() - start
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+
+
 def _load_records(cfg: RunConfig) -> list:
     from megatron_rl.data.loading import load_prompts
     from megatron_rl.data.sources import PROCEDURAL_TASK_PREFIX, reasoning_gym_prompts
@@ -267,8 +289,10 @@ class RunSetup:
         from megatron_rl.rollout.sglang_server import is_moe_model
 
         cfg = self.cfg
-        self.ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address,
-                                                    num_cpus=cfg.cluster.num_cpus))
+        phases = _Phases()
+        with phases("Ray"):
+            self.ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address,
+                                                        num_cpus=cfg.cluster.num_cpus))
         self._stack.callback(self.ray.shutdown)
         layout = ClusterLayout.from_run_config(cfg, colocated=cfg.cluster.colocated)
         if layout.colocated and layout.device == "gpu" and \
@@ -282,22 +306,30 @@ class RunSetup:
         self.model_dir = model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
         # Routing replay (docs/routing_replay.md): MoE models only, as the servers are started.
         self._routing_replay = cfg.rollout.routing_replay and is_moe_model(model_dir)
-        if layout.colocated and layout.device == "gpu":  # servers need the ranks' GPU ids
-            self.trainers = TrainerGroup.create(placement, cfg)
-            self.generators = GeneratorPool.start(placement, self._server_settings(model_dir))
-        else:  # the servers load while the trainer ranks build
-            self.generators = GeneratorPool.start(placement, self._server_settings(model_dir))
-            self.trainers = TrainerGroup.create(placement, cfg)
-        self.trainers.call("load_model_weights", self._converted_start_checkpoint(model_dir))
+        with phases("trainer ranks"):
+            if layout.colocated and layout.device == "gpu":  # servers need the ranks' GPU ids
+                self.trainers = TrainerGroup.create(placement, cfg)
+                self.generators = GeneratorPool.start(placement,
+                                                      self._server_settings(model_dir))
+            else:  # the servers load while the trainer ranks build
+                self.generators = GeneratorPool.start(placement,
+                                                      self._server_settings(model_dir))
+                self.trainers = TrainerGroup.create(placement, cfg)
+        with phases("start checkpoint"):
+            self.trainers.call("load_model_weights", self._converted_start_checkpoint(model_dir))
         monitor = self.trainers.call("monitor_status")
         notice("trainer hang detection: " + (
             "nvidia-resiliency-ext rank monitor on every rank, and train.step_timeout_s"
             if monitor == "on" else f"train.step_timeout_s only (no rank monitor: {monitor})"))
-        self.generators.wait_until_healthy()
-        self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=model_dir)
+        with phases("generators ready"):
+            self.generators.wait_until_healthy()
+        with phases("weight-sync connection"):
+            self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=model_dir)
         self.num_devices = layout.num_trainer_ranks if layout.colocated else \
             layout.num_trainer_ranks + layout.num_generators * layout.devices_per_generator
         self._write_processes()
+        notice(f"cluster up in {phases.total:.1f} s ({phases}; the generators start while the "
+               "trainer ranks build)")
 
     @property
     def generator_urls(self) -> list[str]:

@@ -223,6 +223,10 @@ def main(argv: list[str]) -> int:
     from megatron_rl.console import quiet_known_warnings
 
     quiet_known_warnings()
+    if not args.progress:  # transformers' own bars too (save_pretrained's "Writing model shards")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     if not args.skip_build:
         settings = BuildSettings(**{f.name: getattr(args, f.name)
                                     for f in dataclasses.fields(BuildSettings)})

@@ -14,6 +14,7 @@ hang apart from the driver.
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,6 +122,7 @@ def test_resume_after_a_crash_and_a_graceful_stop_is_bit_identical(tmp_path):
     rc, output = _finish(resumed)
     assert rc == 128 + signal.SIGTERM, output[-4000:]
     assert "removed .step_000004.partial" in output and "resumed from" in output, output[-4000:]
+    assert re.search(r"cluster up in [\d.]+ s \(Ray [\d.]+ s, trainer ranks", output), output[-4000:]
     assert "stopped by SIGTERM after step 3" in output, output[-4000:]
     assert not _no_orphans(model, resumed.pid)
     assert sorted(p.name for p in (b / "checkpoints").iterdir()) == [
