@@ -162,12 +162,17 @@ def _math_prompts(path, n=64):
 
 
 def _math_worker(driver_pid, not_pid=None):
-    """The pid of the driver's math-verify worker (other than `not_pid`), or None."""
+    """The pid of the driver's math-verify worker (other than `not_pid`), or None. A killed
+    worker not yet reaped is a zombie whose command line cannot be read: not a worker."""
     import psutil
 
-    return next((p.pid for p in psutil.Process(driver_pid).children(recursive=True)
-                 if "megatron_rl.rewards.math_worker" in " ".join(p.cmdline())
-                 and p.pid != not_pid), None)
+    for p in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            if "megatron_rl.rewards.math_worker" in " ".join(p.cmdline()) and p.pid != not_pid:
+                return p.pid
+        except psutil.Error:  # a zombie, or gone meanwhile
+            continue
+    return None
 
 
 def test_chaos_generators_trainer_and_reward_workers_die_and_hang_nothing_is_lost(tmp_path):
