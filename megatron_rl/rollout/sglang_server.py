@@ -312,12 +312,15 @@ class SGLangServer:
         if settings.resolved_device == "cpu":
             env.update(sglang_cpu_environment())
             env.update(settings.cpu_environment())
+            # Eager on CPU. SGLang torch.compiles a few functions (the MoE top-k, Llama-4's
+            # router and RoPE, the seeded sampler): on CPU each is an inductor C++ build at the
+            # first request that uses it (seconds, more under load, during which the scheduler
+            # answers nothing: /server_info timed out on loaded machines), into one cache under
+            # /tmp where a server killed mid-build leaves a truncated .so that crashes every
+            # later server. Eager computes the same functions and is fast enough here.
+            env["TORCHDYNAMO_DISABLE"] = "1"
             if settings.honour_sampling_seeds:
                 env[SAMPLING_SEEDS_ENV] = "1"
-                # SGLang torch.compiles the seeded sampler; inductor's C++ build on CPU shares
-                # one cache under /tmp, and a server killed mid-build leaves a truncated .so
-                # there that crashes every later server. Eager is exact and fast enough here.
-                env["TORCHDYNAMO_DISABLE"] = "1"
         if settings.visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(settings.visible_devices)
         if _DISABLED_MODELS_ENV not in env:  # a user's own list stands
