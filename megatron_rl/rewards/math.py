@@ -42,6 +42,7 @@ from megatron_rl.rewards.types import (
 
 _HARD_GRACE_S = 1.0        # the soft timeout normally answers well within this
 _WORKER_START_TIMEOUT_S = 300.0  # importing sympy + math-verify; generous on a loaded host
+_START_POLL_S = 0.5  # how often a starting worker's process state is checked
 _LATEX_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
 
 
@@ -89,6 +90,10 @@ def grade_math_answer(answer_text: str, gold: str, *, float_rounding: int = 6,
 
 
 # --- worker processes ---------------------------------------------------------------------------
+class _WorkerStartFailed(Exception):
+    """A grading process stopped or died before it was ready (not a slow start)."""
+
+
 class _Worker:
     """One grading process (math_worker.py), started as a plain subprocess: multiprocessing's
     spawn/forkserver children re-import the caller's __main__ (a script without a main guard
@@ -101,7 +106,20 @@ class _Worker:
                 [sys.executable, "-m", "megatron_rl.rewards.math_worker", str(child.fileno()),
                  json.dumps(options)], pass_fds=[child.fileno()], stdin=subprocess.DEVNULL)
         self.conn = Connection(parent.detach())
-        if not self.conn.poll(_WORKER_START_TIMEOUT_S) or self.conn.recv() != "ready":
+        # Importing sympy + math-verify may take long on a loaded host, but a worker stopped
+        # (SIGSTOP, a debugger) or dead while starting would otherwise hold the grading for the
+        # whole start timeout: check its state while waiting.
+        deadline = time.monotonic() + _WORKER_START_TIMEOUT_S
+        while not self.conn.poll(_START_POLL_S):
+            state = self.state()
+            if self.process.poll() is not None or state in ("T", "t", "Z", "X"):
+                self.kill()
+                raise _WorkerStartFailed(f"process state {state} while starting")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("the math-verify worker did not start within "
+                                   f"{_WORKER_START_TIMEOUT_S:.0f} s; is math-verify installed?")
+        if self.conn.recv() != "ready":
             self.kill()
             raise RuntimeError("the math-verify worker did not start; is math-verify installed?")
 
@@ -178,6 +196,11 @@ class MathVerifier:
             worker = None                     # (a fresh worker grades the retry)
             what = f"math worker died: {type(exc).__name__}: {exc}"
             self._fault(f"{what} (pid {pid})")
+            return make_result(Reason.VERIFIER_ERROR, scale, detail=what)
+        except _WorkerStartFailed as exc:  # stopped or dead before it was ready; killed
+            worker = None
+            what = f"math worker hung ({exc}); killed"
+            self._fault(what)
             return make_result(Reason.VERIFIER_ERROR, scale, detail=what)
         finally:
             if worker is not None and (self._closed.is_set() or not worker.is_alive()):

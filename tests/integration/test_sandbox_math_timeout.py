@@ -2,7 +2,9 @@
 timeout refuses to), the soft timeout interrupts Python-level work, the hard timeout kills a
 worker stuck in C (a ~30 s big-integer power) and replaces it, and a worker that dies is a
 verifier failure (no reward) that the registry's retry grades with a fresh worker."""
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
@@ -105,6 +107,39 @@ def test_a_hung_worker_is_killed_and_is_a_verifier_failure():
         assert [f["kind"] for f in faults] == ["reward_worker"] * 2
         assert all("hung" in f["what"] and f["recovered_at"] > f["detected_at"] for f in faults)
         assert verifier.take_faults() == []
+
+
+def test_a_worker_stopped_while_starting_fails_fast_and_is_a_fault(monkeypatch):
+    """A worker stopped before it is ready (SIGSTOP right after its start here) is killed at the
+    next state check, not after the 300 s start timeout: a verifier failure with a "hung" fault
+    record, recovered once a fresh worker answered the retry."""
+    import signal
+
+    from megatron_rl.rewards import math as math_rewards
+
+    record = PromptRecord(prompt_id="m", task="math", prompt="2 + 2?", answer="4")
+    popen, stopped = math_rewards.subprocess.Popen, []
+
+    def start_stopped(*args, **kwargs):
+        process = popen(*args, **kwargs)
+        if not stopped:  # only the first worker
+            os.kill(process.pid, signal.SIGSTOP)
+            stopped.append(process.pid)
+        return process
+
+    monkeypatch.setattr(math_rewards.subprocess, "Popen", start_stopped)
+    with MathVerifier(MathVerifyConfig(timeout_s=2.0)) as verifier:
+        registry = RewardRegistry()
+        registry.register("math", lambda c, r: verifier.grade(c, r.answer), requires=("answer",))
+        started = time.monotonic()
+        (result,) = registry.score_many(["</think> $4$"], [record])  # retries=1
+        assert time.monotonic() - started < 120  # not the 300 s start timeout
+        assert (result.reason, result.reward) == (Reason.CORRECT, 1.0)  # the fresh worker's
+        assert not psutil.pid_exists(stopped[0]) or \
+            psutil.Process(stopped[0]).status() == "zombie"
+        (fault,) = verifier.take_faults()
+        assert "hung (process state T while starting)" in fault["what"]
+        assert fault["recovered_at"] > fault["detected_at"]
 
 
 def _kill(pid: int) -> None:
