@@ -62,3 +62,22 @@ def run_worker(script: str, model_dir: str, url: str, *args: str, num_ranks: int
         return launch.result(timeout_s)
     finally:
         launch.kill()
+
+
+def still_alive(processes, timeout_s: float = 60.0) -> list:
+    """The psutil processes of `processes` not yet gone (exited or zombie) after waiting up to
+    `timeout_s` for all of them; [] once every one has ended."""
+    import time
+
+    import psutil
+
+    def alive(process) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in processes if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left

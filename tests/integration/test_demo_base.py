@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
+import sys
 from pathlib import Path
 
 import psutil
@@ -33,6 +33,9 @@ import torch
 pytestmark = pytest.mark.integration
 
 MEAN_TOLERANCE = 0.03
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _workers import still_alive  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +118,5 @@ def test_sigkill_of_the_server_process_ends_all_of_its_processes(served_demo_siz
     assert any("multiprocessing.forkserver" in n for n in names), names  # fix 12's fallback is active
     os.kill(server.process.pid, signal.SIGKILL)
     server.process.wait()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        alive = [p for p in children if _alive(p)]
-        if not alive:
-            break
-        time.sleep(0.5)
+    alive = still_alive(children, timeout_s=60)
     assert not alive, [" ".join(p.cmdline()) for p in alive]
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

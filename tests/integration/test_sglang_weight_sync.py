@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _workers import run_worker  # noqa: E402
+from _workers import run_worker, still_alive  # noqa: E402
 
 LOGPROB_TOLERANCE = 1e-4
 
@@ -185,17 +185,6 @@ def test_graceful_shutdown_ends_every_process_and_removes_its_files(tiny_llama_s
     assert server.process.returncode == 0  # it ended itself: no SIGKILL was needed
     log = Path(server.log_path).read_text(errors="replace")
     assert "Application shutdown complete" in log and "SIGQUIT received" not in log, log[-3000:]
-    deadline = time.monotonic() + 60
-    while (alive := [p for p in processes if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    alive = still_alive(processes, timeout_s=60)
     assert not alive, [" ".join(p.cmdline()) for p in alive]
     assert not scratch.exists()
-
-
-def _alive(process) -> bool:
-    import psutil
-
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
