@@ -7,7 +7,8 @@ logger) AND the literal start of its message, with the reason it is harmless wri
 so our own warnings and every unknown third-party one still show. `environment_summary()` says in one line
 what those warnings were telling (which backends are absent). Verbose mode (`-v` on the entry
 points, or MEGATRON_RL_VERBOSE=1) keeps everything. Library code never calls this: it changes
-process-wide warning filters, which belong to the program.
+process-wide warning filters, which belong to the program. `report_console()` and
+`print_table()` print rich tables whole when the output is a log file rather than a terminal.
 
 Call it before the first `import torch`: torch warns at import time.
 """
@@ -178,3 +179,39 @@ def environment_summary() -> str:
     if absent:
         line += f"; {' and '.join(absent)} absent (local layer spec, torch optimizers)"
     return line
+
+
+def notice(message: str, *, program: str = "megatron-rl train") -> None:
+    """A line for the operator on stderr that leaves a tqdm progress bar intact."""
+    import sys
+
+    from tqdm import tqdm
+
+    tqdm.write(f"{program}: {message}", file=sys.stderr)
+
+
+def report_console():
+    """A rich Console for the tables and lines of our reports (`megatron-rl fit`, the demo). In a
+    terminal, rich's own. Anywhere else (a pipe, a log file) nothing is wrapped or cut at a
+    width nobody sees: text keeps its lines (soft wrap) and `print_table` prints a table at
+    its full width."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(soft_wrap=True)
+
+
+def print_table(console, table) -> None:
+    """Print a rich Table: in a terminal fitted to its width (rich shrinks the columns), anywhere
+    else at the table's natural width, every column and border whole."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    from rich.measure import Measurement
+
+    unbounded = console.options.update_width(1_000_000)
+    width, console.width = console.width, Measurement.get(console, unbounded, table).maximum
+    try:
+        console.print(table)
+    finally:
+        console.width = width

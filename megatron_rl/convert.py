@@ -1,5 +1,6 @@
 """Checkpoint conversion between Hugging Face folders and Megatron dist_checkpointing, streamed
-tensor by tensor, plus `load_model_weights` for starting a trainer from a converted checkpoint.
+tensor by tensor (the trainer loads a converted checkpoint with megatron_rl/trainer/checkpoint.py
+`load_model_weights`, re-exported here).
 
 HF -> Megatron writes one *global* torch_dist checkpoint: the "model" part of what the trainer
 saves (same ShardedTensor keys, global shapes and per-expert prepended axes, taken from the
@@ -34,9 +35,10 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlan
 
-# What the trainer passes to sharded_state_dict (megatron_rl/trainer/checkpoint.py); the model
-# part of the layout does not depend on it, the value is kept identical for clarity.
-MODEL_SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The trainer loads a converted checkpoint through its own checkpoint code (re-exported here for
+# the tools and tests that start a model from a conversion).
+from megatron_rl.trainer.checkpoint import MODEL_SHARDED_METADATA, load_model_weights  # noqa: F401
+
 HF_FILES_DIR = "hf"  # inside a converted Megatron checkpoint: config.json, tokenizer files
 COMMON_KEY = "megatron_rl_convert"  # the converter's record in the checkpoint's common state
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -481,6 +483,16 @@ def _write_items(layout: _Layout, tensors: _LazyGroups, common: dict) -> tuple[l
     return items, resolve
 
 
+def converted_once(hf_dir: str | os.PathLike, target: str | os.PathLike, *,
+                   progress: bool = True) -> str:
+    """`hf_dir` converted into `target` unless a finished conversion is there already (a run's
+    start checkpoint: converted once per run directory); returns `target`, absolute."""
+    target = Path(target)
+    if not (target / "metadata.json").is_file():
+        convert_hf_to_megatron(hf_dir, target, overwrite=True, progress=progress)
+    return str(target.resolve())
+
+
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, output_dir: str | os.PathLike, *,
                            dtype: torch.dtype | None = None, validate: bool = False,
                            overwrite: bool = False, progress: bool = True) -> ConversionReport:
@@ -766,40 +778,6 @@ def _validate_hf(output: Path, checksums: dict[str, str]) -> None:
     if missing or bad:
         raise ConversionError(f"validation failed for {output}: missing {missing}, "
                               f"differing {bad[:20]}")
-
-
-# ----------------------------------------------------------------------------- trainer side
-
-
-def load_model_weights(directory: str | os.PathLike, model) -> None:
-    """Load a converted (or trainer-saved) checkpoint's model weights into `model` in place:
-    this rank's chunk at its TP/EP/PP layout, possibly wrapped (DDP, Float16Module); no
-    optimizer state. Collective over the model-parallel ranks, like the trainer's load."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    from megatron_rl.trainer.model import unwrap
-
-    directory = str(directory)
-    if not os.path.isfile(os.path.join(directory, "metadata.json")):
-        raise ConversionError(f"{directory} is not a Megatron dist_checkpointing folder")
-    module = unwrap(model)
-    sharded = module.sharded_state_dict(metadata=dict(MODEL_SHARDED_METADATA))
-    stored = dist_checkpointing.load_tensors_metadata(directory)
-    wanted = {entry.key: entry for entry in sharded.values()
-              if isinstance(entry, (ShardedTensor, ShardedTensorFactory))}
-    missing = sorted(set(wanted) - set(stored))
-    if missing:
-        raise ConversionError(f"{directory} lacks model tensors: {', '.join(missing)} (was it "
-                              "converted from another model or size?)")
-    mismatched = [f"{key}: checkpoint {tuple(stored[key].global_shape)} vs model "
-                  f"{tuple(entry.global_shape)}" for key, entry in wanted.items()
-                  if isinstance(entry, ShardedTensor)
-                  and tuple(stored[key].global_shape) != tuple(entry.global_shape)]
-    if mismatched:
-        raise ConversionError("checkpoint and model shapes differ: " + "; ".join(mismatched))
-    loaded = dist_checkpointing.load({"model": sharded}, directory)
-    module.load_state_dict(loaded["model"])
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from megatron_rl.config import ConfigError, RunConfig, load_config, save_config
+from megatron_rl.config import ConfigError, RunConfig, load_config
 
 
 def train(cfg: RunConfig) -> int:
@@ -43,7 +43,7 @@ def train(cfg: RunConfig) -> int:
             run.save_checkpoint(run.step, wait=True)
         run.finish()
         if stop.requested:
-            from megatron_rl.run_setup import notice
+            from megatron_rl.console import notice
 
             notice(f"stopped by {stop.requested.name} after step {run.step}; checkpoint "
                    f"step_{run.step:06d} written; continue with --resume")
@@ -58,7 +58,7 @@ def one_step(run, cfg: RunConfig, *, step: int) -> dict[str, float]:
 
     from megatron_rl.algorithms import compute_advantages, group_keep_mask
     from megatron_rl.resilience import faults
-    from megatron_rl.run_setup import length_penalties
+    from megatron_rl.algorithms import length_penalties
     from megatron_rl.trainer.batch import TrainBatch
 
     started = time.perf_counter()
@@ -133,7 +133,7 @@ class GracefulStop:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame) -> None:
-        from megatron_rl.run_setup import notice
+        from megatron_rl.console import notice
 
         if self.requested is not None:
             notice(f"second {signal.Signals(signum).name}: stopping now, without a checkpoint")
@@ -169,9 +169,8 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as err:
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 2
-    from megatron_rl.run_setup import RunStopped
+    from megatron_rl.resilience.recovery import RunStopped
 
-    save_config(cfg, f"{cfg.output_dir}/config.yaml")
     try:
         return train(cfg)
     except ConfigError as err:  # found once the data or the checkpoint is read

@@ -158,3 +158,59 @@ def write_validation_samples(path: str | os.PathLike, step: int,
                                 "completion": completion, "reward": sample.reward,
                                 "passed": sample.passed}) + "\n")
     os.replace(tmp, path)
+
+
+class HeldoutValidation:
+    """A run's validation: mean@k per task on the held-out prompts with the current weights ->
+    the scaling log, TensorBoard and output_dir/validation_samples/step_<N>.jsonl.
+
+    The requests go through the rollout manager (`manager.run_anywhere`: a sample whose
+    generator fails midway is generated again, the same, on another); `wait(coroutine)` runs
+    them on the rollout loop while the generators are health-checked."""
+
+    def __init__(self, cfg, out, *, tokenizer, registry: RewardRegistry,
+                 records: Sequence[PromptRecord], prompt_ids: Sequence[Sequence[int]],
+                 manager, interruption, wait):
+        self.cfg, self.out, self.tokenizer, self.registry = cfg, out, tokenizer, registry
+        self.records, self.prompt_ids = records, prompt_ids
+        self.manager, self.interruption, self._wait = manager, interruption, wait
+
+    def __call__(self, step: int, *, version: int, metrics) -> None:
+        """Validate the weights of policy `version` after `step`; `metrics` is the run's
+        RunMetrics (scaling log, TensorBoard writer, compute axis)."""
+        k = self.cfg.eval.samples_per_prompt
+        completions = self._wait(self._generate(k, version))
+        texts = [[self.tokenizer.decode(s.token_ids) for s in group] for group in completions]
+        scored = score_samples(self.registry, self.records, texts)
+        write_validation_samples(self.out / "validation_samples" / f"step_{step:06d}.jsonl",
+                                 step, self.records, texts, scored)
+        log_validation(metrics.scaling_log, step, metrics.compute_gpu_hours,
+                       validation_metrics(scored, samples_per_prompt=k), tb_writer=metrics.writer)
+
+    async def _generate(self, k: int, version: int) -> list:
+        import asyncio
+        import random
+
+        from megatron_rl.rollout import SamplingParams
+        from megatron_rl.rollout.interruption import bind_generate, generate_completion
+
+        params = SamplingParams(max_new_tokens=1, temperature=self.cfg.rollout.temperature,
+                                seed=self.cfg.seed, purpose="eval")
+
+        def one(index: int, prompt: Sequence[int], sample: int):
+            # Each sample its own seed (SamplingParams.seed), the same at every validation: the
+            # curve's points differ by the policy, not by the sampling noise. So a sample whose
+            # generator fails midway is generated again, the same, on another.
+            def request(client):
+                generate_one = bind_generate(client, params.for_sample("eval", index, sample),
+                                             extra_key=f"v{version}")
+                return generate_completion(
+                    generate_one, prompt, settings=self.interruption,
+                    rng=random.Random(f"eval/{index}/{sample}"), group_id=index,
+                    sample_index=sample)
+
+            return self.manager.run_anywhere(index, request)
+
+        groups = [[one(i, prompt, j) for j in range(k)] for i, prompt in enumerate(self.prompt_ids)]
+        flat = await asyncio.gather(*(c for group in groups for c in group))
+        return [flat[i * k:(i + 1) * k] for i in range(len(groups))]

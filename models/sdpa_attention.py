@@ -18,7 +18,7 @@ attention dropout, [sq, b, np * hn] out. What `DotProductAttention` supports and
 Context parallelism (CP > 1), a CPU test path. Each CP rank holds the load-balanced slice of every
 sequence that megatron-core's RoPE (`get_pos_emb_on_this_cp_rank`) and Transformer Engine's CP
 attention assume: the padded sequence is cut into 2 * cp chunks and rank r keeps chunks r and
-2cp-1-r (megatron_rl/trainer/batch.py `load_balanced_positions`, which also splits the
+2cp-1-r (megatron_rl/ops/context_parallel.py `load_balanced_positions`, which also splits the
 micro-batches so).
 Here the keys and values are all-gathered over the CP group (megatron-core's differentiable
 all-gather, whose backward reduce-scatters - sums - their gradients back to the owning ranks) and
@@ -42,7 +42,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
-from megatron_rl.trainer.batch import load_balanced_positions
+from megatron_rl.ops.context_parallel import load_balanced_positions
 
 
 def context_parallel_causal_mask(local_len: int, cp_rank: int, cp_size: int, *,

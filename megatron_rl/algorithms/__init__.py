@@ -20,6 +20,7 @@ from megatron_rl.algorithms.filtering import (
 from megatron_rl.algorithms.length_control import (
     INTERRUPTION_PHRASE,
     build_interrupted_completion,
+    length_penalties,
     length_penalty,
     sample_thinking_budget,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "group_keep_mask",
     "group_pass_rates",
     "gspo_loss",
+    "length_penalties",
     "length_penalty",
     "sample_thinking_budget",
     "token_weights",

@@ -81,3 +81,14 @@ def length_penalty(
     if only_correct:
         penalty = torch.where(correct.bool(), penalty, torch.zeros_like(penalty))
     return penalty.float()
+
+
+def length_penalties(groups: Sequence, algorithm) -> torch.Tensor:
+    """DAPO's overlong penalty per sample [prompts x G, flat] of a step's groups for
+    algorithm.length_penalty: generated tokens (the forced-interruption phrase excluded,
+    SCALERL.md section 5) against length_penalty_max_length / _cache_length, on correct answers
+    only; 0 elsewhere."""
+    lengths = [sample.num_loss_tokens for group in groups for sample in group.samples]
+    passed = [result.passed for group in groups for result in group.results]
+    return length_penalty(lengths, passed, max_length=algorithm.length_penalty_max_length,
+                          cache_length=algorithm.length_penalty_cache_length)

@@ -363,12 +363,12 @@ def _shim_single_rank_param_all_gather() -> None:
 # 12. Context parallelism (CP > 1): megatron's RoPE picks each CP rank's positions
 #    (`rotary_pos_embedding.get_pos_emb_on_this_cp_rank`) with a pin_memory=True index, which a
 #    CPU-only torch refuses ("pin_memory=True requires a CUDA ..."). Rebound to the same
-#    load-balanced selection (megatron_rl/trainer/batch.py `load_balanced_positions`, the layout
+#    load-balanced selection (megatron_rl/ops/context_parallel.py `load_balanced_positions`, the layout
 #    the trainer splits its micro-batches in) without pinning.
 def _shim_rope_context_parallel_positions() -> None:
     from megatron.core.models.common.embeddings import rotary_pos_embedding
 
-    from megatron_rl.trainer.batch import load_balanced_positions
+    from megatron_rl.ops.context_parallel import load_balanced_positions
 
     def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
         keep = load_balanced_positions(pos_emb.shape[seq_dim], cp_group.rank(), cp_group.size())

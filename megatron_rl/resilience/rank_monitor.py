@@ -5,7 +5,7 @@ reports to it over a Unix socket when it enters and leaves a section of its work
 "weight_sync", "checkpoint". A section that stays open past its timeout means the rank hung (e.g.
 in a collective whose peer died, or a deadlock): the monitor sends it SIGCONT then SIGKILL. The
 rank's Ray actor then dies, and the driver restores the trainer group from the last checkpoint
-(run_setup.recover_trainers) at once, without waiting for its own `train.step_timeout_s`.
+(RunSetup.recover_trainers) at once, without waiting for its own `train.step_timeout_s`.
 
 Timeouts: every section starts at `train.step_timeout_s`. With `train.hang_timeout_factor` set,
 the "train_step" timeout is recalibrated after `CALIBRATE_AFTER` steps to that factor times the

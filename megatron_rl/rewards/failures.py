@@ -76,6 +76,15 @@ class VerifierFailureCounter:
         if self.failure_fraction > self.max_failure_fraction:
             raise VerifierFailureError(self._message())
 
+    def rewards_of(self, groups: Sequence, group_size: int):
+        """[prompts, G] rewards of a step's groups, NaN for samples whose verifier failed;
+        the failures are counted (`update`: raises past the run's limit)."""
+        import torch
+
+        results = [r for g in groups for r in g.results]
+        self.update(results, group_size)
+        return torch.tensor(reward_values(results), dtype=torch.float32).view(-1, group_size)
+
     def metrics(self) -> dict[str, float]:
         """TensorBoard scalars: the last batch's dropped samples, dropped groups and failures per
         reason (every failure reason, 0 when absent), and the run's cumulative failure fraction

@@ -140,3 +140,15 @@ def default_registry(*, math_verifier: MathVerifier, sandbox: Sandbox,
     procedural = ProceduralReward(ProceduralRewardConfig(scale=scale))
     registry.register(PROCEDURAL_TASK_PREFIX, procedural, requires=("answer",))
     return registry
+
+
+def start_run_verifiers(run, stack) -> tuple[MathVerifier, RewardRegistry]:
+    """A training run's verifiers: the math-verify workers and the code sandbox (closed by the
+    ExitStack `stack`) behind the default registry."""
+    from megatron_rl.rewards.sandbox import SandboxConfig
+
+    math_verifier = MathVerifier()
+    stack.callback(math_verifier.close)
+    sandbox = Sandbox(SandboxConfig.from_run_config(run))
+    stack.callback(sandbox.close)
+    return math_verifier, default_registry(math_verifier=math_verifier, sandbox=sandbox)

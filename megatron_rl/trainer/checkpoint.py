@@ -22,6 +22,11 @@ import torch
 from megatron_rl.trainer.model import unwrap
 from megatron_rl.trainer.parallel import ParallelGroups, ParallelLayout
 
+# What the trainer passes to sharded_state_dict for the model's tensors (megatron_rl/convert.py
+# writes converted checkpoints with the same); the model part of the layout does not depend on
+# it, the value is kept identical for clarity.
+MODEL_SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
 # chained_optim_avoid_prefix: the optimizer-state keys must not depend on how many chained
 # optimizers the layout has (experts get their own optimizer only when EP/ETP differ from dense).
 _SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
@@ -209,3 +214,38 @@ def _set_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"])
     if rng["tracker"]:
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint's model tensors do not fit the model (missing, or other shapes)."""
+
+
+def load_model_weights(directory: str | os.PathLike, model) -> None:
+    """Load a converted (megatron_rl/convert.py) or trainer-saved checkpoint's model weights
+    into `model` in place: this rank's chunk at its TP/EP/PP layout, possibly wrapped (DDP,
+    Float16Module); no optimizer state. Collective over the model-parallel ranks, like the
+    trainer's load."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    directory = str(directory)
+    if not os.path.isfile(os.path.join(directory, "metadata.json")):
+        raise CheckpointMismatchError(f"{directory} is not a Megatron dist_checkpointing folder")
+    module = unwrap(model)
+    sharded = module.sharded_state_dict(metadata=dict(MODEL_SHARDED_METADATA))
+    stored = dist_checkpointing.load_tensors_metadata(directory)
+    wanted = {entry.key: entry for entry in sharded.values()
+              if isinstance(entry, (ShardedTensor, ShardedTensorFactory))}
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        raise CheckpointMismatchError(f"{directory} lacks model tensors: {', '.join(missing)} "
+                                      "(was it converted from another model or size?)")
+    mismatched = [f"{key}: checkpoint {tuple(stored[key].global_shape)} vs model "
+                  f"{tuple(entry.global_shape)}" for key, entry in wanted.items()
+                  if isinstance(entry, ShardedTensor)
+                  and tuple(stored[key].global_shape) != tuple(entry.global_shape)]
+    if mismatched:
+        raise CheckpointMismatchError("checkpoint and model shapes differ: "
+                                      + "; ".join(mismatched))
+    loaded = dist_checkpointing.load({"model": sharded}, directory)
+    module.load_state_dict(loaded["model"])

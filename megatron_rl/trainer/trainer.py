@@ -283,7 +283,7 @@ class RLTrainer:
         """Start from the weights of a converted (HF -> Megatron, megatron_rl.convert) or
         trainer-saved checkpoint, without its optimizer state (model.hf_checkpoint at step 0);
         the optimizer's main (FP32) copies are refreshed from them. Collective."""
-        from megatron_rl.convert import load_model_weights
+        from megatron_rl.trainer.checkpoint import load_model_weights
 
         load_model_weights(directory, self.model)
         self.optimizer.reload_model_params()

@@ -34,7 +34,7 @@ from torch import Tensor
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
-from megatron_rl.trainer.batch import load_balanced_positions
+from megatron_rl.ops.context_parallel import load_balanced_positions
 from models.sdpa_attention import SDPACoreAttention, context_parallel_group
 
 

@@ -59,7 +59,7 @@ def _run(module, inputs, grad_out, mask=None, **kwargs):
 def check_attention(out: dict) -> None:
     """CP 2 slices vs CP 1 on the full sequence (max abs differences)."""
     from megatron_rl.platform import init_distributed
-    from megatron_rl.trainer.batch import load_balanced_positions
+    from megatron_rl.ops.context_parallel import load_balanced_positions
 
     init_distributed(context_parallel_size=2)
     from megatron.core import parallel_state as ps

@@ -190,6 +190,7 @@ def test_chaos_generators_trainer_and_reward_workers_die_and_hang_nothing_is_los
     model = tiny_llama_checkpoint(tmp_path / "tiny_llama")
     out = tmp_path / "run"
     prompts = _math_prompts(tmp_path / "sums.jsonl")
+    started = time.time()
     proc = _start([f"model.hf_checkpoint={model}", f"output_dir={out}", f"data.prompts={prompts}",
                    "rollout.num_generators=2", "rollout.health_check_interval_s=2",
                    "cluster.num_cpus=3",  # 2 generators + 1 trainer rank on a 2-core machine
@@ -231,6 +232,11 @@ def test_chaos_generators_trainer_and_reward_workers_die_and_hang_nothing_is_los
     injected["trainer SIGKILL"] = ("trainer", 0, time.time())
     rc, output = _finish(proc)
     assert rc == 0, output[-6000:]
+    # The compute axis counts compute spent (issue 29.3): monotone through the trainer's restore,
+    # and never more than the run's wall time x its 3 devices (2 generators, 1 trainer rank).
+    compute = [line["compute_gpu_hours"] for line in _jsonl(out / "scaling.jsonl")
+               if line["task"] == "all"]
+    assert compute == sorted(compute) and compute[-1] <= (time.time() - started) / 3600 * 3
 
     records = _jsonl(out / "ledger.jsonl")
     assert _steps(out) == list(range(1, 9))  # steps redone after the restore replaced theirs

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.unit
 
 
 def test_load_balanced_positions_by_hand():
-    from megatron_rl.trainer.batch import load_balanced_positions
+    from megatron_rl.ops.context_parallel import load_balanced_positions
 
     # 12 positions, CP 2: chunks of 3; rank 0 keeps chunks 0 and 3, rank 1 chunks 1 and 2.
     assert load_balanced_positions(12, 0, 2).tolist() == [0, 1, 2, 9, 10, 11]

@@ -1,7 +1,7 @@
 """The driver's per-step decisions after an optimizer step (megatron_rl/train.py `after_step`):
 validation and checkpoint intervals, and the stop after too many skipped steps in a row; and the
 commit of a run checkpoint whose trainer shards are written asynchronously (RunSetup's
-save_checkpoint / commit_checkpoint). The run and the trainer group are recording stand-ins
+save_checkpoint / commit_checkpoint, resilience/run_checkpoints.py). The run and the trainer group are recording stand-ins
 (control logic only; the whole loop runs in tests/e2e, real checkpoints in test_resilience.py)."""
 import pickle
 from pathlib import Path
@@ -84,6 +84,7 @@ class _Writer:
 
 
 def _bare_run(tmp_path, trainers):
+    from megatron_rl.resilience.run_checkpoints import RunCheckpoints
     from megatron_rl.run_setup import RunSetup
 
     run = object.__new__(RunSetup)  # only what save/commit_checkpoint use
@@ -91,11 +92,10 @@ def _bare_run(tmp_path, trainers):
                    f"output_dir={tmp_path}")
     run.out, run.checkpoint_root, run.version = tmp_path, tmp_path / "checkpoints", 7
     run.trainers, run.writer = trainers, _Writer()
-    run.last_checkpoint_step, run._pending_checkpoint = None, None
-    run._checkpoint_blocked_s, run._async_save_explained = 0.0, False
-    run._trainer_call = lambda call: call()
-    run._call, run._async = (lambda x: x), (lambda f: f())
-    run._driver_state = lambda: {"step": run.last_checkpoint_step}
+    run.checkpoints = RunCheckpoints(
+        run.cfg, run.out, run.checkpoint_root, trainers=lambda: trainers,
+        trainer_call=lambda call: call(),
+        driver_state=lambda: {"step": run.last_checkpoint_step}, writer=lambda: run.writer)
     return run
 
 
@@ -130,3 +130,43 @@ def test_an_asynchronous_checkpoint_is_committed_only_once_its_shards_are_comple
                                   ("finalize", True), ("save", 8, "always"), ("finalize", True)]
     assert [s for s in run.writer.scalars] == [("perf/checkpoint_blocked_seconds", n)
                                                for n in (2, 4, 6, 8)]
+
+
+class _Stub:
+    """Accepts any call (the trainer group, the rollout manager, the verifier counter)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def test_the_compute_axis_goes_on_through_an_in_run_trainer_restore(tmp_path):
+    """Issue 29.3: 10 devices, 1.5 h since the first step (15 GPU-h spent), the trainer restored
+    to a checkpoint taken at 10 GPU-h. Redone steps are spent compute: the axis stays at 15 and
+    keeps growing (the old restore set the offset to 10 on top of the running clock: 25). A run
+    resumed in a new process starts at the checkpoint's value."""
+    import time
+    import types
+
+    from megatron_rl.metrics import RunMetrics
+    from megatron_rl.run_setup import RunSetup
+
+    run = object.__new__(RunSetup)
+    run.cfg = _cfg(f"output_dir={tmp_path}")
+    run.cluster = types.SimpleNamespace(trainers=_Stub(), model_dir=str(tmp_path))
+    run.verifier_failures, run.manager, run.checkpoints = _Stub(), _Stub(), _Stub()
+    run.metrics = RunMetrics(run.cfg, tmp_path, clients=[], num_devices=10)
+    run.metrics._compute_start = time.perf_counter() - 1.5 * 3600
+    state = {"step": 4, "version": 4, "compute_gpu_hours": 10.0, "verifier_failures": {},
+             "manager": {}}
+    before = run.metrics.compute_gpu_hours
+    run._restore(tmp_path / "step_000004", state, in_run=True)
+    after = run.metrics.compute_gpu_hours
+    assert (run.step, run.version) == (4, 4)
+    assert 15.0 <= before <= after < 15.1  # continuous and monotone, not 25
+
+    resumed = object.__new__(RunSetup)
+    resumed.cfg, resumed.cluster = run.cfg, run.cluster
+    resumed.verifier_failures, resumed.manager, resumed.checkpoints = _Stub(), _Stub(), _Stub()
+    resumed.metrics = RunMetrics(run.cfg, tmp_path, clients=[], num_devices=10)
+    resumed._restore(tmp_path / "step_000004", state)
+    assert resumed.metrics.compute_gpu_hours == 10.0  # the clock starts with the first step

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.rewards.types import Reason, RewardResult
-from megatron_rl.run_setup import length_penalties
+from megatron_rl.algorithms import length_penalties
 
 pytestmark = pytest.mark.unit
 

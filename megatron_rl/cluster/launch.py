@@ -1,0 +1,148 @@
+"""A training run's cluster brought up in order: Ray, one placement group, the trainer ranks and
+the SGLang engines (the engines load while the ranks build, except colocated on GPU where they
+need the ranks' GPU ids), the start checkpoint into the ranks, the engines healthy, the weight
+sync connected. `RunCluster.start` registers every teardown on the caller's ExitStack, so no
+engine or Ray worker outlives the run, also after an error.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from megatron_rl.config import ConfigError, RunConfig
+from megatron_rl.console import notice
+
+
+class _Phases:
+    """Wall time of named start-up phases, for the operator's line (`with phases("Ray"): ...`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.monotonic() - start
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunCluster:
+    """What `start` brought up. `trainers` is replaced when the trainer group recovers."""
+
+    ray: object
+    layout: object  # ClusterLayout
+    placement: object
+    trainers: object  # TrainerGroup
+    generators: object  # GeneratorPool
+    model_dir: str  # model.hf_checkpoint, absolute
+    routing_replay: bool  # MoE routing replay (docs/routing_replay.md) is on
+    num_devices: int  # devices the compute axis counts (processes on CPU)
+
+    @classmethod
+    def start(cls, cfg: RunConfig, out: Path, stack: contextlib.ExitStack, *,
+              start_checkpoint: Callable[[str], str]) -> "RunCluster":
+        """`start_checkpoint(model_dir)` returns the trainer's start checkpoint (converted from
+        model.hf_checkpoint)."""
+        from megatron_rl.cluster import (ClusterLayout, ClusterSettings, GeneratorPool,
+                                         RayCluster, TrainerGroup)
+        from megatron_rl.rollout.sglang_server import is_moe_model
+
+        phases = _Phases()
+        with phases("Ray"):
+            ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address,
+                                                   num_cpus=cfg.cluster.num_cpus))
+        stack.callback(ray.shutdown)
+        layout = ClusterLayout.from_run_config(cfg, colocated=cfg.cluster.colocated)
+        gpu_colocated = layout.colocated and layout.device == "gpu"
+        if gpu_colocated and cfg.weight_sync.transport == "distributed":
+            raise ConfigError("weight_sync.transport: colocated generators share the trainer "
+                              "ranks' GPUs, and NCCL cannot hold two ranks of one group on one "
+                              "GPU; set weight_sync.transport=tensor (in-memory hand-over)")
+        placement = ray.reserve(layout, name=cfg.name)
+        model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
+        with phases("trainer ranks"):
+            if gpu_colocated:  # the servers need the ranks' GPU ids
+                trainers = TrainerGroup.create(placement, cfg)
+                generators = GeneratorPool.start(
+                    placement, server_settings(cfg, layout, out, model_dir, trainers))
+            else:  # the servers load while the trainer ranks build
+                generators = GeneratorPool.start(
+                    placement, server_settings(cfg, layout, out, model_dir, None))
+                trainers = TrainerGroup.create(placement, cfg)
+        with phases("start checkpoint"):
+            trainers.call("load_model_weights", start_checkpoint(model_dir))
+        monitor = trainers.call("monitor_status")
+        notice("trainer hang detection: " + (
+            "nvidia-resiliency-ext rank monitor on every rank, and train.step_timeout_s"
+            if monitor == "on" else f"train.step_timeout_s only (no rank monitor: {monitor})"))
+        with phases("generators ready"):
+            generators.wait_until_healthy()
+        with phases("weight-sync connection"):
+            trainers.connect_generators(generators.endpoints, hf_config_dir=model_dir)
+        num_devices = layout.num_trainer_ranks if layout.colocated else \
+            layout.num_trainer_ranks + layout.num_generators * layout.devices_per_generator
+        cluster = cls(ray=ray, layout=layout, placement=placement, trainers=trainers,
+                      generators=generators, model_dir=model_dir, num_devices=num_devices,
+                      routing_replay=cfg.rollout.routing_replay and is_moe_model(model_dir))
+        cluster.write_processes(out)
+        notice(f"cluster up in {phases.total:.1f} s ({phases}; the generators start while the "
+               "trainer ranks build)")
+        return cluster
+
+    def write_processes(self, out: Path) -> None:
+        """output_dir/processes.json: which process is which (for operators and chaos tests)."""
+        info = {"driver": {"pid": os.getpid()},
+                "generators": [{"name": e.name, "url": e.url, "pid": e.pid, "node": e.node_ip}
+                               for e in self.generators.endpoints],
+                "trainer_ranks": [{"rank": r, "pid": n.pid, "node": n.node_ip}
+                                  for r, n in enumerate(self.trainers.nodes)]}
+        tmp = out / "processes.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(out / "processes.json")
+
+    def restart_trainers(self, cfg: RunConfig) -> None:
+        """A new trainer group in the same placement, connected to the running engines (the old
+        one is shut down first; its ranks died or hung)."""
+        from megatron_rl.cluster import TrainerGroup
+
+        self.trainers.shutdown(timeout_s=10.0)
+        self.trainers = TrainerGroup.create(self.placement, cfg)
+        self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=self.model_dir)
+
+
+def server_settings(cfg: RunConfig, layout, out: Path, model_dir: str, trainers) -> list:
+    """One SGLang server's settings per generator; colocated ones (GPU) get their trainer ranks'
+    GPUs and SGLang's memory saver."""
+    from megatron_rl.rollout import SGLangServerSettings
+
+    settings = []
+    for i in range(layout.num_generators):
+        fields = {}
+        if layout.colocated and layout.device == "gpu":
+            nodes = [trainers.nodes[r] for r in layout.generator_trainer_ranks(i)]
+            if len({n.node_id for n in nodes}) != 1:
+                raise ConfigError(
+                    f"cluster.colocated: generator {i} would share the GPUs of trainer "
+                    f"ranks on {len({n.node_id for n in nodes})} nodes; an SGLang engine "
+                    "runs on one node: lower rollout.tp_size to the GPUs per node")
+            fields = dict(enable_memory_saver=True,
+                          visible_devices=tuple(g for n in nodes for g in n.gpu_ids))
+        settings.append(SGLangServerSettings.from_rollout_config(
+            cfg.rollout, model_dir, random_seed=cfg.seed + i,
+            log_path=str((out / f"generator-{i}.log").resolve()), **fields))
+    return settings

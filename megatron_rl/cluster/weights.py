@@ -1,0 +1,73 @@
+"""Pushing the trainer's new weights into the generator engines, in flight (the engines pause,
+load, continue: docs/pipeline.md), and, colocated, releasing the engines' memory for the training
+phase and taking it back for the weights and the KV cache (SGLang's memory saver; the order is
+SGLang's: weights first, then the rest once they are loaded).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from megatron_rl.config import RunConfig
+from megatron_rl.console import notice
+
+
+class WeightPusher:
+    """`urls()` gives the engines' current URLs (a restart may change them), `clients` the run's
+    HTTP clients (their activity counters measure what a pause cost)."""
+
+    def __init__(self, cfg: RunConfig, *, loop, manager, urls: Callable[[], list[str]],
+                 clients: list, colocated: bool):
+        self.cfg, self.loop, self.manager = cfg, loop, manager
+        self._urls, self.clients, self.colocated = urls, clients, colocated
+        self.released = False  # colocated: the engines' memory is released for training
+
+    def release(self) -> float:
+        """Colocated: free the engines' memory for the training phase, once nothing generates
+        (SGLang requires an idle engine; the synchronous schedules RunConfig requires admit
+        nothing new before the next version, and under ppo_off_policy this waits for the rest
+        of the round's groups). Returns the seconds it took."""
+        from megatron_rl.rollout import SGLangGenerator
+
+        started = time.perf_counter()
+        self.loop.call(self.manager.wait_until_idle())
+        for url in self._urls():
+            SGLangGenerator(url).release_memory()
+        self.released = True
+        return time.perf_counter() - started
+
+    def _resume(self, tags) -> None:
+        from megatron_rl.rollout import SGLangGenerator
+
+        for url in self._urls():
+            SGLangGenerator(url).resume_memory(tags)
+
+    def push(self, sync: Callable, check_generators: Callable[..., None]):
+        """Sync the new weights into the engines (`sync()` runs the trainer group's sync and
+        returns its report); a generator that fails during the sync is restarted
+        (`check_generators`) and the sync retried once. Returns (report, generator-seconds of
+        requests held by the pause)."""
+        from megatron_rl.rollout import SGLangGenerator
+        from megatron_rl.weight_sync import WeightSyncError
+
+        if self.released:  # colocated: the weights' memory back, to load into
+            self._resume(SGLangGenerator.MEMORY_WEIGHTS)
+        check_generators(now=True)  # a dead generator is restarted before, not during
+        before = self._activity()
+        try:
+            report = sync()
+        except WeightSyncError as exc:  # a generator failed during the sync: restart, retry
+            notice(f"{str(exc).splitlines()[0][:300]}; checking the generators and retrying")
+            check_generators(now=True, strikes=1)  # a failed sync is the first strike
+            report = sync()
+        after = self._activity()
+        if self.released:
+            self._resume(SGLangGenerator.MEMORY_AFTER_WEIGHTS)
+            self.released = False
+        # Requests in flight while the generators were paused made no progress: that time is
+        # not busy (a generator with nothing in flight lost nothing to the pause).
+        paused_busy = sum(min(report.paused_s, (a - b).busy_s) for a, b in zip(after, before))
+        return report, paused_busy
+
+    def _activity(self) -> list:
+        return [client.activity() for client in self.clients]

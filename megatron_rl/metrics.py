@@ -1,0 +1,164 @@
+"""A training run's step metrics and where they go: the rollout metrics of a step's groups,
+generator and trainer utilisation over the window since the previous log, TensorBoard, the
+compute-scaling log, the progress bar, and the compute axis of the scaling curve.
+
+The compute axis (docs/pipeline.md) is device-hours spent on training: (trainer ranks + generator
+devices) x wall time since the first optimizer step began (on CPU, processes stand in for
+devices). It counts compute spent, so it only grows: steps redone after an in-run trainer
+recovery are spent compute and stay on it (`RunMetrics.compute_gpu_hours` keeps running through a
+recovery); a run resumed in a new process continues from the checkpoint's value (the time between
+that checkpoint and the crash left no record to count).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from megatron_rl.config import RunConfig
+
+
+class RunMetrics:
+    """`clients` is the run's list of HTTP clients, one per engine (their activity counters)."""
+
+    def __init__(self, cfg: RunConfig, out: Path, *, clients: list, num_devices: int):
+        self.cfg, self.out, self.clients, self.num_devices = cfg, out, clients, num_devices
+        self.writer = self.scaling_log = None
+        self._compute_start: float | None = None
+        self._compute_offset = 0.0
+        self._paused_busy_s = 0.0  # generator-seconds of in-flight requests held by pauses
+        self._window = None
+        self._progress = None
+
+    def open_logs(self, *, purge_after: int | None) -> None:
+        """TensorBoard (events after `purge_after` dropped: a restored run redoes those steps)
+        and the scaling log; again after a restore."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        from megatron_rl.scaling.log import ScalingLog
+
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = SummaryWriter(self.cfg.tensorboard_dir, purge_step=None
+                                    if purge_after is None else purge_after + 1)
+        self.scaling_log = ScalingLog(self.out, tb_writer=self.writer)
+
+    def close_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+
+    def close(self) -> None:
+        self.close_progress()
+        if self.writer is not None:
+            self.writer.close()
+
+    # ------------------------------------------------------------------ the compute axis
+
+    def resume_compute(self, gpu_hours: float) -> None:
+        """A run resumed from a checkpoint starts its compute axis at the checkpoint's value."""
+        self._compute_offset = gpu_hours
+
+    @property
+    def compute_gpu_hours(self) -> float:
+        if self._compute_start is None:
+            return self._compute_offset
+        return self._compute_offset + (time.perf_counter() - self._compute_start) / 3600 \
+            * self.num_devices
+
+    def progress(self, steps: Iterable[int]):
+        """The progress bar over the run's steps; the compute clock starts here."""
+        from tqdm import tqdm
+
+        self._compute_start = time.perf_counter()
+        self._window = (self._compute_start, self._activity(), 0.0)
+        self._progress = tqdm(steps, desc=self.cfg.name, unit="step",
+                              disable=not self.cfg.logging.progress_bar)
+        return self._progress
+
+    # ------------------------------------------------------------------ a step's metrics
+
+    def rollout(self, groups: Sequence, rewards, keep, *, sampler, gate, verifier_failures,
+                version: int, wait_s: float) -> dict[str, float]:
+        """What the step's groups say: rewards, pass rate, lengths, truncation and interruption,
+        the zero-variance share, staleness, the gate's and the verifiers' counters."""
+        from megatron_rl.rollout.staleness import staleness_histogram
+
+        samples = [s for g in groups for s in g.samples]
+        lengths = sorted(len(s.token_ids) for s in samples)
+        passed = [r.passed for g in groups for r in g.results if not r.verifier_failed]
+        versions = [v for s in samples for v in s.sampled_versions]
+        metrics = {
+            "rollout/reward_mean": float(rewards[~rewards.isnan()].mean()) if passed else math.nan,
+            "rollout/pass_rate": sum(passed) / len(passed) if passed else math.nan,
+            "rollout/response_length_mean": sum(lengths) / len(lengths),
+            "rollout/response_length_p99": float(lengths[min(len(lengths) - 1,
+                                                             int(0.99 * len(lengths)))]),
+            "rollout/truncation_rate": sum(s.truncated for s in samples) / len(samples),
+            "rollout/interruption_rate": sum(s.interrupted for s in samples) / len(samples),
+            "rollout/zero_variance_fraction": 1.0 - float(keep.float().mean()),
+            "rollout/npr_retired_prompts": float(sampler.num_retired),
+            "perf/trainer_wait_seconds": wait_s,
+        }
+        if versions:
+            metrics |= staleness_histogram(
+                versions, trainer_version=version,
+                max_off_policyness=self.cfg.rollout.max_off_policyness).to_scalars()
+        metrics |= gate.to_scalars()
+        metrics |= verifier_failures.metrics()
+        return metrics
+
+    @staticmethod
+    def train(step, seconds: float) -> dict[str, float]:
+        """The optimizer step's report (trainer/step.py StepResult) as metrics."""
+        return {"train/loss": step.loss, "train/grad_norm": step.grad_norm,
+                "train/entropy": step.entropy, "train/is_clip_fraction": step.clip_fraction,
+                "train/mean_ratio": step.mean_ratio,
+                "train/logp_mismatch_mean": step.logp_mismatch,
+                "train/logp_mismatch_max": step.logp_mismatch_max,
+                "train/learning_rate": step.learning_rate, "train/skipped": float(step.skipped),
+                "train/routing_flip_fraction": step.routing_flip_fraction,
+                "train/logp_mismatch_without_replay": step.logp_mismatch_without_replay,
+                "perf/train_seconds": seconds,
+                "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)}
+
+    def add_paused_busy(self, seconds: float) -> None:
+        """Generator-seconds that requests in flight spent held by a weight-update pause."""
+        self._paused_busy_s += seconds
+
+    def _activity(self) -> list:
+        return [client.activity() for client in self.clients]
+
+    def _window_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Generator and trainer utilisation since the previous step's log."""
+        now, activity = time.perf_counter(), self._activity()
+        started, before, paused_busy = self._window
+        self._window = (now, activity, self._paused_busy_s)
+        wall = max(now - started, 1e-9)
+        busy = sum((a - b).busy_s for a, b in zip(activity, before)) \
+            - (self._paused_busy_s - paused_busy)
+        out = {"perf/generator_busy_fraction": max(busy, 0.0) / (wall * len(activity)),
+               "perf/generation_tokens_per_s":
+                   sum((a - b).tokens for a, b in zip(activity, before)) / wall,
+               # requests resent after a broken connection, whole run (async_client.py)
+               "rollout/reconnects": float(sum(client.reconnects for client in self.clients))}
+        step_s = metrics.get("perf/step_seconds")
+        if step_s:
+            out["perf/trainer_idle_fraction"] = metrics.get("perf/trainer_wait_seconds",
+                                                            0.0) / step_s
+            out["weight_sync/step_fraction"] = metrics.get("weight_sync/seconds", 0.0) / step_s
+        return out
+
+    def log(self, step: int, metrics: dict[str, float], *, version: int) -> None:
+        """The step's metrics (and the window's) to TensorBoard and the progress bar."""
+        metrics = metrics | self._window_metrics(metrics)
+        if step % self.cfg.logging.log_interval == 0:
+            for tag, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        self._progress.set_postfix(
+            reward=f"{metrics.get('rollout/reward_mean', math.nan):.2f}",
+            gen_busy=f"{metrics['perf/generator_busy_fraction']:.2f}",
+            trainer_idle=f"{metrics.get('perf/trainer_idle_fraction', math.nan):.2f}",
+            version=version)
