@@ -17,6 +17,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import math
 import operator
 import re
@@ -233,6 +234,40 @@ class ModelConfig:
                  f"model.fp8: FP8 ({self.fp8!r}) runs only on Transformer Engine layers; set "
                  "model.use_transformer_engine=true (GPU) or model.fp8=null")
         _check_model_family(self.name, self.size)
+        if self.hf_checkpoint is not None:
+            check_served_checkpoint(self.hf_checkpoint)
+
+
+def check_served_checkpoint(directory: str, *, name: str = "model.hf_checkpoint") -> None:
+    """Refuse an HF checkpoint that SGLang would serve quantised (named `name` in the error):
+    config.json's quantization_config or compression_config (top level or text_config), or an
+    hf_quant_config.json beside it, which is how SGLang 0.5.23 finds quantisation
+    (srt/configs/model_config.py). The weight sync sends unquantised tensors (bf16 / fp32), which
+    SGLang would write into FP8 parameters without their scales: silently wrong weights. Until
+    a quantiser runs before loading (as in verl and slime), such a checkpoint is refused here,
+    at config load, and again when the trainer connects to the generators. A folder without
+    config.json is left to the loaders to report."""
+    folder = Path(directory)
+    found = []
+    if (folder / "config.json").is_file():
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except ValueError:
+            config = {}
+        for prefix, section in (("", config), ("text_config.", config.get("text_config"))):
+            for key in ("quantization_config", "compression_config"):
+                if isinstance(section, dict) and section.get(key):
+                    method = section[key].get("quant_method") \
+                        if isinstance(section[key], dict) else None
+                    found.append(f"config.json {prefix}{key}"
+                                 + (f" (quant_method {method!r})" if method else ""))
+    if (folder / "hf_quant_config.json").is_file():
+        found.append("hf_quant_config.json")
+    _require(not found, f"{name}: {directory} is a quantised checkpoint ({'; '.join(found)}): "
+             "the weight sync writes the trainer's unquantised weights into the generators' "
+             "quantised (e.g. FP8) parameters without their scales, which silently corrupts "
+             "the model, and no quantiser runs before loading yet; use the checkpoint's bf16 "
+             "release")
 
 
 def _model_registry() -> Any:
@@ -386,6 +421,10 @@ class RolloutConfig:
         "requeue", "a finished group older than the bound at take time is regenerated "
         "(requeue: no bias against long generations, which are the ones that go stale) or "
         "dropped; both are counted")
+    max_requeues: int = _field(3, "times one prompt is regenerated after going stale before it "
+                               "is dropped instead (a generation that always outlasts k steps "
+                               "would be regenerated forever); a prompt retired by "
+                               "No-Positive-Resampling meanwhile is never regenerated", ge=0)
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = _field(
         "auto", "generator weight/activation dtype (SGLang dtype; auto = the checkpoint's)")
     tp_size: int = _field(1, "tensor-parallel size of each generator (SGLang tp_size)", ge=1)
@@ -422,6 +461,12 @@ class RolloutConfig:
                                          "a restart that fails again within 5 minutes counts "
                                          "on) before it is given up; the run goes on without "
                                          "it while others are up", ge=0)
+    no_progress_timeout_s: float = _field(
+        120.0, "a generator with requests in flight that shows no progress this long (none of "
+        "its requests answered, and SGLang's /health_generate saw no completed forward step) "
+        "is hung: taken out of the rotation and restarted. A request itself has no time limit "
+        "(it includes queueing behind every other request and weight-update pauses). At least "
+        "30 s: SGLang's own health window is 20 s", ge=30.0)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -576,6 +621,10 @@ class TrainConfig:
         "none", "activation recomputation (Megatron recompute_granularity): none, selective "
         "(core attention) or full (every layer, uniform, one layer per checkpoint); "
         "`megatron-rl plan` shows what each saves")
+    moe_routing_imbalance: float = _field(
+        1.5, "memory planning (`megatron-rl plan`): tokens the busiest expert-parallel rank's "
+        "experts receive, as a multiple of the balanced share (1 = perfectly balanced "
+        "routing); no token is dropped, so that rank's expert activations grow by it", ge=1.0)
     lr: float = _field(5e-7, "peak learning rate (paper A.3)", gt=0.0)
     min_lr: float = _field(0.0, "learning rate at num_steps for decaying schedules", ge=0.0)
     lr_warmup_steps: int = _field(100, "linear warm-up steps from 0 to lr", ge=0)
@@ -678,23 +727,27 @@ class CheckpointConfig:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class DataConfig:
-    """The prompts: a prompt file (.jsonl or .parquet of megatron_rl.data records, any mix of
-    tasks) or `rg/<dataset>`, problems generated by reasoning-gym's procedural dataset (graded by
-    its own scorer). eval.num_heldout_prompts of them are held out for validation (split per
-    task, deterministic in the run's seed)."""
+    """The prompts: a prompt file (.jsonl, .parquet, or a directory of a Hugging Face datasets
+    split saved with save_to_disk; in megatron_rl's layout with any mix of tasks, verl's, or
+    question/answer: docs/data.md) or `rg/<dataset>`, problems generated by reasoning-gym's
+    procedural dataset (graded by its own scorer). eval.num_heldout_prompts of them are held out
+    for validation (split per task, deterministic in the run's seed)."""
 
     SECTION: ClassVar[str] = "data"
 
-    prompts: str = _field("rg/basic_arithmetic", "a .jsonl / .parquet prompt file, or "
-                          "rg/<reasoning-gym dataset> to generate them")
+    prompts: str = _field("rg/basic_arithmetic", "a .jsonl / .parquet prompt file, a saved "
+                          "datasets split (directory), or rg/<reasoning-gym dataset> to generate "
+                          "them (docs/data.md)")
     num_generated_prompts: int = _field(2000, "rg/<dataset>: how many problems to generate "
                                         "(training + held out)", ge=2)
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        _require(self.prompts.startswith("rg/") or self.prompts.endswith((".jsonl", ".parquet")),
-                 f"data.prompts: {self.prompts!r} is neither a .jsonl / .parquet prompt file nor "
-                 "rg/<reasoning-gym dataset> (e.g. rg/basic_arithmetic)")
+        _require(self.prompts.startswith("rg/") or self.prompts.endswith((".jsonl", ".parquet"))
+                 or Path(self.prompts).suffix == "" or Path(self.prompts).is_dir(),
+                 f"data.prompts: {self.prompts!r} is neither a .jsonl / .parquet prompt file, a "
+                 "saved datasets split (a directory), nor rg/<reasoning-gym dataset> (e.g. "
+                 "rg/basic_arithmetic)")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -3,8 +3,9 @@ generator and trainer utilisation over the window since the previous log, Tensor
 compute-scaling log, the progress bar, and the compute axis of the scaling curve.
 
 The compute axis (docs/pipeline.md) is device-hours spent on training: (trainer ranks + generator
-devices) x wall time since the first optimizer step began (on CPU, processes stand in for
-devices). It counts compute spent, so it only grows: steps redone after an in-run trainer
+devices) x wall time since the generators started on the training groups (on CPU, processes stand
+in for devices); a validation point sits at the compute spent when it began (the policy it
+validates). It counts compute spent, so it only grows: steps redone after an in-run trainer
 recovery are spent compute and stay on it (`RunMetrics.compute_gpu_hours` keeps running through a
 recovery); a run resumed in a new process continues from the checkpoint's value (the time between
 that checkpoint and the crash left no record to count).
@@ -66,12 +67,17 @@ class RunMetrics:
         return self._compute_offset + (time.perf_counter() - self._compute_start) / 3600 \
             * self.num_devices
 
+    def start_clock(self) -> None:
+        """Compute is being spent from here on: the generators start on the training groups."""
+        if self._compute_start is None:
+            self._compute_start = time.perf_counter()
+
     def progress(self, steps: Iterable[int]):
-        """The progress bar over the run's steps; the compute clock starts here."""
+        """The progress bar over the run's steps (and the utilisation window's start)."""
         from tqdm import tqdm
 
-        self._compute_start = time.perf_counter()
-        self._window = (self._compute_start, self._activity(), 0.0)
+        self.start_clock()
+        self._window = (time.perf_counter(), self._activity(), 0.0)
         self._progress = tqdm(steps, desc=self.cfg.name, unit="step",
                               disable=not self.cfg.logging.progress_bar)
         return self._progress

@@ -24,7 +24,7 @@ from megatron_rl.resilience import checkpoint as run_checkpoint
 from megatron_rl.resilience import ledger
 from megatron_rl.resilience.recovery import RunStopped, TrainerFailure, trainer_call
 from megatron_rl.resilience.run_checkpoints import (put_back_files, read_run_state,
-                                                    restored_files, resume_point)
+                                                    restored_files, resume_point, start_branch)
 
 class RunSetup:
     def __init__(self, cfg: RunConfig):
@@ -73,6 +73,7 @@ class RunSetup:
         save_config(cfg, str(self.out / "config.yaml"))
         state = read_run_state(resume) if resume is not None else None
         if resume is not None:
+            start_branch(cfg, self.checkpoint_root, state["step"])
             put_back_files(self.out, restored_files(resume))
         self.cluster = RunCluster.start(cfg, self.out, self._stack,
                                         start_checkpoint=self._start_checkpoint)
@@ -85,43 +86,19 @@ class RunSetup:
         if resume is not None:
             self._restore(resume, state)
             notice(f"resumed from {resume} (step {self.step}, policy version {self.version})")
+        self.metrics.start_clock()  # the generators start on the training groups
         self.loop.run(self.manager.start)
         self._stack.callback(lambda: self.loop.call(self.manager.stop()))
 
     def _load_data(self) -> None:
         """The verifiers, then the prompts (checked against them, and the model's context)."""
+        from megatron_rl.data.run_prompts import load_run_prompts
         from megatron_rl.rewards.failures import VerifierFailureCounter
         from megatron_rl.rewards.registry import start_run_verifiers
 
         self.math_verifier, self.registry = start_run_verifiers(self.cfg, self._stack)
         self.verifier_failures = VerifierFailureCounter.from_run_config(self.cfg)
-        try:
-            from megatron_rl.data.run_prompts import load_run_prompts
-        except ImportError:  # TEMPORARY until data/run_prompts.py lands
-            import types
-            from megatron_rl.data.loading import load_prompts
-            from megatron_rl.data.sources import PROCEDURAL_TASK_PREFIX, reasoning_gym_prompts
-            from megatron_rl.data.split import split_heldout
-            from megatron_rl.data.tokenizer import prompt_token_ids
-
-            def load_run_prompts(cfg, tokenizer, registry):
-                source = cfg.data.prompts
-                if source.startswith(PROCEDURAL_TASK_PREFIX):
-                    records = reasoning_gym_prompts(source[len(PROCEDURAL_TASK_PREFIX):],
-                                                    num_prompts=cfg.data.num_generated_prompts, seed=cfg.seed)
-                else:
-                    records = load_prompts(source)
-                registry.check(records)
-                train, heldout = split_heldout(records, num_heldout=cfg.eval.num_heldout_prompts, seed=cfg.seed)
-                return types.SimpleNamespace(
-                    train_records=train, heldout_records=heldout,
-                    train_prompt_ids=[prompt_token_ids(tokenizer, r.prompt) for r in train],
-                    heldout_prompt_ids=[prompt_token_ids(tokenizer, r.prompt) for r in heldout])
-
         self.data = load_run_prompts(self.cfg, self.tokenizer, self.registry)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _start_checkpoint(self, model_dir: str) -> str:
         """model.hf_checkpoint as a Megatron checkpoint (converted once per run directory)."""
@@ -151,7 +128,9 @@ class RunSetup:
         self.sampler = NoPositiveResamplingSampler(
             len(self.data.train_records), threshold=cfg.algorithm.npr_threshold, seed=cfg.seed,
             enabled=cfg.algorithm.no_positive_resampling)
-        interruption = InterruptionSettings.from_rollout_config(cfg.rollout, self.encode)
+        interruption = InterruptionSettings.from_rollout_config(
+            cfg.rollout, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            decode=self.tokenizer.decode)
         self.manager = RolloutManager(
             clients=self.clients, prompt_token_ids=self.data.train_prompt_ids,
             records=self.data.train_records, sampler=self.sampler, gate=self.gate,
@@ -190,10 +169,9 @@ class RunSetup:
     # ------------------------------------------------------------------ restore
 
     def _restore(self, path: Path | None, state: dict, *, in_run: bool = False) -> None:
-        """Trainer, driver and rollout state as of a checkpoint (None: the start of the run);
-        the generators get the restored weights under the restored version. The manager must
-        not be running. The compute axis goes on through an in-run restore (redone steps are
-        spent compute, megatron_rl/metrics.py); a resumed run starts it at the checkpoint's."""
+        """Trainer, driver and rollout state as of a checkpoint (None: the start of the run),
+        the generators at its weights and version; the manager must not be running. The compute
+        axis goes on through an in-run restore (metrics.py); a resume starts at the checkpoint's."""
         trainers = self.cluster.trainers
         if path is None:
             trainer_call(lambda: trainers.call(

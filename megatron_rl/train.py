@@ -170,13 +170,14 @@ def main(argv: Sequence[str]) -> int:
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 2
     from megatron_rl.resilience.recovery import RunStopped
+    from megatron_rl.rollout.manager import RolloutError
 
     try:
         return train(cfg)
     except ConfigError as err:  # found once the data or the checkpoint is read
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 2
-    except (RunStopped, RunStoppedError) as err:
+    except (RunStopped, RunStoppedError, RolloutError) as err:
         print(f"megatron-rl train: stopped: {err}", file=sys.stderr)
         return 1
 

@@ -179,12 +179,13 @@ class HeldoutValidation:
         """Validate the weights of policy `version` after `step`; `metrics` is the run's
         RunMetrics (scaling log, TensorBoard writer, compute axis)."""
         k = self.cfg.eval.samples_per_prompt
+        compute_gpu_hours = metrics.compute_gpu_hours  # spent on the policy validated here
         completions = self._wait(self._generate(k, version))
         texts = [[self.tokenizer.decode(s.token_ids) for s in group] for group in completions]
         scored = score_samples(self.registry, self.records, texts)
         write_validation_samples(self.out / "validation_samples" / f"step_{step:06d}.jsonl",
                                  step, self.records, texts, scored)
-        log_validation(metrics.scaling_log, step, metrics.compute_gpu_hours,
+        log_validation(metrics.scaling_log, step, compute_gpu_hours,
                        validation_metrics(scored, samples_per_prompt=k), tb_writer=metrics.writer)
 
     async def _generate(self, k: int, version: int) -> list:
@@ -203,7 +204,7 @@ class HeldoutValidation:
             # generator fails midway is generated again, the same, on another.
             def request(client):
                 generate_one = bind_generate(client, params.for_sample("eval", index, sample),
-                                             extra_key=f"v{version}")
+                                             extra_key=self.manager.prefix_cache_key(version))
                 return generate_completion(
                     generate_one, prompt, settings=self.interruption,
                     rng=random.Random(f"eval/{index}/{sample}"), group_id=index,

@@ -33,26 +33,13 @@ _CUDA_FUSIONS = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softma
 
 FP8Recipe = Literal["delayed", "current", "mxfp8", "blockwise"]
 
-# Recipe name -> TransformerConfig fields (megatron-core 0.19.2: `fp8` in {"e4m3", "hybrid"},
-# `fp8_recipe` in {"tensorwise", "delayed", "mxfp8", "blockwise", "custom"}). "hybrid" keeps e5m2
-# for gradients, as NVIDIA's recipes do for delayed and per-tensor current scaling; MXFP8 and
-# blockwise scaling use e4m3 everywhere (their block scales cover the gradient range).
-_FP8_RECIPES: dict[str, dict[str, Any]] = {
-    "delayed": {"fp8": "hybrid", "fp8_recipe": "delayed", "fp8_amax_history_len": 1024,
-                "fp8_amax_compute_algo": "max"},
-    "current": {"fp8": "hybrid", "fp8_recipe": "tensorwise"},
-    "mxfp8": {"fp8": "e4m3", "fp8_recipe": "mxfp8"},
-    "blockwise": {"fp8": "e4m3", "fp8_recipe": "blockwise"},
-}
-
-
 def fp8_config_fields(recipe: FP8Recipe | None) -> dict[str, Any]:
-    """TransformerConfig fields for an FP8 recipe name (None -> no FP8, an empty dict)."""
-    if recipe is None:
-        return {}
-    if recipe not in _FP8_RECIPES:
-        raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {tuple(_FP8_RECIPES)}")
-    return dict(_FP8_RECIPES[recipe])
+    """TransformerConfig fields for an FP8 recipe name (None -> no FP8, an empty dict): those of
+    models/fp8.py's FP8_RECIPES, the one table the RL trainer builds its config from too
+    ("hybrid": e5m2 gradients, for delayed and per-tensor current scaling)."""
+    from models.fp8 import fp8_fields
+
+    return fp8_fields(recipe)
 
 
 def check_overrides(config_cls: type, overrides: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# `make test`: the whole suite in three streams at once: e2e (whole `megatron-rl train` runs),
-# integration (SGLang servers, Ray, sandboxes), and unit + dist (+ a few integration files). The
-# e2e and integration tests spend much of their time waiting on process start-up and on their
+# `make test`: the whole suite in four streams at once: e2e (whole `megatron-rl train` runs),
+# integration (SGLang servers, Ray, sandboxes), unit + dist (+ a few integration files), and the
+# GPU image's dependency resolution (network-bound).
+# The e2e and integration tests spend much of their time waiting on process start-up and on their
 # own subprocesses, leaving cores idle; one after the other the suite took 22 minutes on 2 cores.
 # Each stream's output is printed when all are done, in this order; the exit status is non-zero
 # if any stream failed. One tier alone: `make test-unit` (or -dist, -integration, -e2e).
@@ -15,9 +16,13 @@ logs=$(mktemp -d -t megatron_rl_tests.XXXXXX)
 tp_ep=(tests/integration/test_sglang_tp_ep2_moe.py tests/integration/test_sglang_tp_ep_tp2.py
        tests/integration/test_sglang_tp_ep_llama4.py)
 colocated=tests/e2e/test_train_colocated.py
+# The GPU image's install set resolved against PyPI (pip --dry-run): ~2.5 min of mostly network
+# wait, so a stream of its own adds little CPU and no wall time to the others.
+image=tests/integration/test_gpu_image.py
 streams=("tests/e2e --ignore=$colocated"
-         "tests/integration ${tp_ep[*]/#/--ignore=}"
-         "tests/unit tests/dist ${tp_ep[*]} $colocated")
+         "tests/integration ${tp_ep[*]/#/--ignore=} --ignore=$image"
+         "tests/unit tests/dist ${tp_ep[*]} $colocated"
+         "$image")
 pids=()
 for i in "${!streams[@]}"; do
     # -p no:cacheprovider: the streams would all write .pytest_cache.

@@ -4,7 +4,9 @@ through log pi), the PPO-style clipped surrogate of GRPO and DAPO, and GSPO's se
 clipped ratio; plus the token cross-entropy of the supervised cold start (`megatron-rl sft`).
 Every loss returns a per-token value to be minimised plus per-token metrics; how tokens become a
 scalar is aggregation.py's job, so the losses never see batch structure (GSPO excepted: it needs
-each token's completion id for the sequence ratio).
+each token's completion id for the sequence ratio, and when a completion's tokens are spread over
+several calls, as over context-parallel ranks, the caller adds up `gspo_log_ratio_sums` of the
+pieces and passes each completion's mean in).
 """
 from __future__ import annotations
 
@@ -105,6 +107,7 @@ def gspo_loss(
     loss_mask: torch.Tensor | None = None,
     eps_low: float = DEFAULT_CLIP_RANGE["gspo"][0],
     eps_high: float = DEFAULT_CLIP_RANGE["gspo"][1],
+    sequence_log_ratio: torch.Tensor | None = None,
 ) -> LossOutput:
     """GSPO: the clipped surrogate on the sequence ratio s_i = exp(mean_t log rho_{i,t}).
 
@@ -112,14 +115,28 @@ def gspo_loss(
     token belongs to; any integer ids). Per-token form (GSPO-token): s_{i,t} = sg(s_i) *
     pi(y_t) / sg(pi(y_t)) has the value s_i and, since A is constant within a completion and
     every aggregation mode weights a completion's tokens equally, gives exactly the gradient of
-    the sequence-level objective. All tokens of a completion must be in this call (the mean is
-    over them): do not split a completion across context-parallel ranks for GSPO.
+    the sequence-level objective.
+
+    The mean is over the tokens of this call unless ``sequence_log_ratio`` [T] gives each token
+    its completion's mean log-ratio over ALL its tokens: needed when a completion is split over
+    calls (context-parallel ranks each hold a slice of it), where a slice's own mean is another
+    ratio. Build it from the slices' `gspo_log_ratio_sums`, summed over the slices and divided by
+    the completion's number of loss tokens.
     """
     _check_clip_range(eps_low, eps_high)
     logp, old_logp, advantages, mask = _prepare(logp, old_logp, advantages, loss_mask)
     _check_index("sample_index", sample_index, logp)
     log_ratio = _log_ratio(logp.detach(), old_logp)  # [T], 0 where masked
-    sequence_log_ratio = _segment_mean(log_ratio, mask, sample_index)  # [T], s_i's log per token
+    if sequence_log_ratio is None:
+        sequence_log_ratio = _segment_mean(log_ratio, mask, sample_index)  # [T], s_i's log
+    else:
+        if not isinstance(sequence_log_ratio, torch.Tensor) \
+                or sequence_log_ratio.shape != logp.shape:
+            shape = getattr(sequence_log_ratio, "shape", type(sequence_log_ratio))
+            raise ValueError(f"sequence_log_ratio has shape {tuple(shape)} but logp has shape "
+                             f"{tuple(logp.shape)}; give each token its completion's mean "
+                             "log-ratio [T]")
+        sequence_log_ratio = sequence_log_ratio.detach().to(log_ratio.dtype)
     sequence_ratio = torch.exp(sequence_log_ratio)
     token_ratio = torch.exp(sequence_log_ratio + logp - logp.detach())  # value s_i, grad via logp
     token_loss, clipped = _clipped_objective(token_ratio, advantages, eps_low, eps_high)
@@ -130,6 +147,30 @@ def gspo_loss(
         abs_logp_diff=_abs_logp_diff(logp, old_logp),
         sequence_ratio=sequence_ratio,
     )
+
+
+def gspo_log_ratio_sums(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    sample_index: torch.Tensor,
+    num_samples: int,
+    *,
+    loss_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[num_samples] each completion's sum of log rho over this call's unmasked tokens (the
+    clamped log-ratio gspo_loss averages; ``sample_index`` holds completion ids in
+    [0, num_samples), the same numbering in every call). The partial sums of a completion split
+    over several calls add up to its whole sum: the numerator of gspo_loss's
+    ``sequence_log_ratio``. Detached."""
+    logp = logp.detach()
+    logp, old_logp, _, mask = _prepare(logp, old_logp, torch.zeros_like(logp), loss_mask)
+    _check_index("sample_index", sample_index, logp)
+    if sample_index.numel() and not 0 <= int(sample_index.min()) <= int(sample_index.max()) \
+            < num_samples:
+        raise ValueError(f"sample_index holds ids outside [0, num_samples={num_samples}); give "
+                         "global completion ids and the batch's number of completions")
+    log_ratio = _log_ratio(logp, old_logp)
+    return log_ratio.new_zeros(num_samples).index_add_(0, sample_index, log_ratio * mask)
 
 
 def cross_entropy_loss(logp: torch.Tensor, *,
@@ -161,16 +202,21 @@ def compute_policy_loss(
     eps_max: float = 5.0,
     eps_low: float | None = None,
     eps_high: float | None = None,
+    sequence_log_ratio: torch.Tensor | None = None,
 ) -> LossOutput:
     """Dispatch on ``kind`` in ("cispo", "dapo", "grpo", "gspo"); tensors are [T] per token.
 
     ``eps_max`` is CISPO's truncation; ``eps_low`` / ``eps_high`` the surrogate clip range,
     defaulting per kind to DEFAULT_CLIP_RANGE (dapo 0.2/0.28, grpo 0.2/0.2, gspo 3e-4/4e-4).
     "dapo" and "grpo" share one surrogate and differ only in that default; CISPO ignores
-    eps_low / eps_high, the surrogates ignore eps_max. GSPO needs ``sample_index``.
+    eps_low / eps_high, the surrogates ignore eps_max. GSPO needs ``sample_index``, and takes
+    ``sequence_log_ratio`` when its completions are split over calls (see gspo_loss).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown policy loss kind {kind!r}; choose one of {KINDS}")
+    if sequence_log_ratio is not None and kind != "gspo":
+        raise ValueError(f"sequence_log_ratio is GSPO's sequence-level ratio; policy loss "
+                         f"{kind!r} has none: leave it None")
     if kind == "cispo":
         return cispo_loss(logp, old_logp, advantages, eps_max=eps_max, loss_mask=loss_mask)
     default_low, default_high = DEFAULT_CLIP_RANGE[kind]
@@ -181,7 +227,8 @@ def compute_policy_loss(
             raise ValueError("policy loss 'gspo' needs sample_index [T] (the completion id of "
                              "each token) to form the sequence-level ratio")
         return gspo_loss(logp, old_logp, advantages, sample_index, loss_mask=loss_mask,
-                         eps_low=eps_low, eps_high=eps_high)
+                         eps_low=eps_low, eps_high=eps_high,
+                         sequence_log_ratio=sequence_log_ratio)
     return clipped_surrogate_loss(logp, old_logp, advantages, eps_low=eps_low,
                                   eps_high=eps_high, loss_mask=loss_mask)
 

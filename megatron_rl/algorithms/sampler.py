@@ -20,6 +20,10 @@ _PASS_RATE_TOLERANCE = 1e-6
 _STATE_VERSION = 1
 
 
+class AllPromptsRetiredError(RuntimeError):
+    """Every prompt reached the pass-rate threshold: there is nothing left to draw."""
+
+
 class NoPositiveResamplingSampler:
     """Draw prompt indices epoch by epoch, skipping retired prompts.
 
@@ -72,8 +76,11 @@ class NoPositiveResamplingSampler:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
         if n > 0 and self.num_active == 0:
-            raise RuntimeError(f"all {self.num_prompts} prompts are retired (pass rate >= "
-                               f"{self.threshold}); add harder prompts or raise the threshold")
+            raise AllPromptsRetiredError(
+                f"all {self.num_prompts} prompts are retired by No-Positive-Resampling (each "
+                f"reached a pass rate >= {self.threshold} in a trained group), so no prompt is "
+                "left to generate from; add harder prompts, raise algorithm.npr_threshold or "
+                "set algorithm.no_positive_resampling=false")
         prompt_ids: list[int] = []
         while len(prompt_ids) < n:
             if self._position == self.num_prompts:

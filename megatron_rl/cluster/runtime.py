@@ -14,6 +14,10 @@ after start the node address is checked to be 127.0.0.1. Both are restored at sh
 Join (`address` "host:port" or "auto"): `ray.init(address=...)`; the cluster's own settings apply.
 Joining a loopback address (a local cluster of another process on this machine) gets the same
 treatment: otherwise Ray rewrites 127.0.0.1 to the external address and never reaches it.
+Either way, the NCCL settings that trainer ranks and generator engines must share
+(megatron_rl.platform.environment.shared_environment, resolved from this process's environment)
+are the job's runtime_env, so every actor of the run and every process it starts gets the same
+values, whatever the environment of the node it runs on.
 
 Everything the cluster layer creates registers its stop function here (`on_shutdown`), so that
 `RayCluster.shutdown()` stops trainer ranks, generators (their SGLang servers included),
@@ -26,6 +30,7 @@ installs it editable) or be on PYTHONPATH on every node.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -121,6 +126,9 @@ class RayCluster:
         import ray
         from ray._private import ray_constants
 
+        from megatron_rl.platform.environment import shared_environment
+
+        runtime_env = {"env_vars": shared_environment()}
         previous_flag = ray_constants.ENABLE_RAY_CLUSTER
 
         def restore() -> None:
@@ -147,10 +155,12 @@ class RayCluster:
                     object_store_memory=settings.object_store_mb * 2**20,
                     include_dashboard=False, namespace=settings.namespace,
                     log_to_driver=settings.log_to_driver, _node_ip_address=_LOOPBACK,
-                    _temp_dir=settings.temp_dir)
+                    _temp_dir=settings.temp_dir, runtime_env=runtime_env,
+                    logging_level=logging.WARNING)  # not "Started a local Ray instance."
             else:
                 context = ray.init(address=settings.address, namespace=settings.namespace,
-                                   log_to_driver=settings.log_to_driver)
+                                   log_to_driver=settings.log_to_driver,
+                                   runtime_env=runtime_env, logging_level=logging.WARNING)
             node_ip = context.address_info["node_ip_address"]
             if loopback and node_ip != _LOOPBACK:
                 raise ClusterError(f"the local Ray cluster came up on {node_ip}, not on "

@@ -6,7 +6,9 @@ Start-up, torchrun's contract over Ray: every worker reports its node; rank 0 pi
 address (its node's Ray address and a free port there); each worker gets RANK, WORLD_SIZE,
 LOCAL_RANK (its index among the trainer ranks on its node, in rank order), LOCAL_WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT in its environment before torch.distributed starts (inside
-`RLTrainer`, megatron_rl.platform.init_distributed). On GPU, Ray narrows each actor's
+`RLTrainer`, megatron_rl.platform.init_distributed), with the NCCL and CUDA settings of a trainer
+rank (megatron_rl.platform.environment: the NCCL values the generators' engines use too, resolved
+once on the driver; CUDA_DEVICE_MAX_CONNECTIONS=1 for Megatron). On GPU, Ray narrows each actor's
 CUDA_VISIBLE_DEVICES to its own GPU; a worker instead sees the GPUs of all trainer ranks on its
 node, in local-rank order, so that device LOCAL_RANK is its own (what init_distributed selects)
 and NCCL sees its node peers as torchrun would show them.
@@ -23,7 +25,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +63,12 @@ class TrainerRankEnv:
     master_addr: str
     master_port: int
     visible_devices: tuple[str, ...] | None = None  # GPU: the node's trainer GPUs, in order
+    # NCCL / CUDA settings (megatron_rl.platform.environment.trainer_environment), as pairs
+    launch: tuple[tuple[str, str], ...] = ()
 
     def environment(self) -> dict[str, str]:
-        env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+        env = {**dict(self.launch),
+               "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
                "LOCAL_RANK": str(self.local_rank),
                "LOCAL_WORLD_SIZE": str(self.local_world_size),
                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
@@ -72,9 +77,10 @@ class TrainerRankEnv:
         return env
 
 
-def rank_environments(nodes: Sequence[WorkerNode], rendezvous: Rendezvous
-                      ) -> list[TrainerRankEnv]:
-    """The environment of each rank (`nodes[rank]` is where rank runs)."""
+def rank_environments(nodes: Sequence[WorkerNode], rendezvous: Rendezvous,
+                      launch: Mapping[str, str] | None = None) -> list[TrainerRankEnv]:
+    """The environment of each rank (`nodes[rank]` is where rank runs); `launch`: the NCCL /
+    CUDA variables every rank gets (megatron_rl.platform.environment.trainer_environment)."""
     by_node: dict[str, list[int]] = {}
     for rank, node in enumerate(nodes):
         by_node.setdefault(node.node_id, []).append(rank)
@@ -90,7 +96,8 @@ def rank_environments(nodes: Sequence[WorkerNode], rendezvous: Rendezvous
             rank=rank, world_size=len(nodes), local_rank=peers.index(rank),
             local_world_size=len(peers), master_addr=rendezvous.master_addr,
             master_port=rendezvous.master_port,
-            visible_devices=tuple(gpus) if gpus else None))
+            visible_devices=tuple(gpus) if gpus else None,
+            launch=tuple(sorted((launch or {}).items()))))
     return envs
 
 
@@ -209,7 +216,8 @@ class TrainerWorker:
                            hf_config_dir: str) -> None:
         """Build the WeightSync to these generators (collective), keeping the policy version.
         The HF <-> Megatron mapping is that of `hf_config_dir`'s config.json (the checkpoint
-        the generators serve); the weight_sync section of the run config gives transport,
+        the generators serve; a quantised one is refused, megatron_rl.config.
+        check_served_checkpoint); the weight_sync section of the run config gives transport,
         buckets, pause mode and timeouts. Each stage's sender listens on its own node's Ray
         address."""
         if not generators:
@@ -226,9 +234,12 @@ class TrainerWorker:
         import ray
 
         from models import model_family_for_hf_config
+        from megatron_rl.config import check_served_checkpoint
         from megatron_rl.rollout import SGLangGenerator
         from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
 
+        # The checkpoint may have changed since the config was loaded, or never been in one.
+        check_served_checkpoint(hf_config_dir, name="connect_generators(hf_config_dir)")
         trainer = self._trainer()
         hf_family = model_family_for_hf_config(
             json.loads((Path(hf_config_dir) / "config.json").read_text()))
@@ -308,6 +319,8 @@ class TrainerGroup:
         build the trainer on all of them; on failure every worker is stopped."""
         import ray
 
+        from megatron_rl.platform.environment import trainer_environment
+
         world_size = placement.layout.num_trainer_ranks
         if run_config.parallelism.world_size != world_size:
             raise ValueError(
@@ -323,7 +336,8 @@ class TrainerGroup:
             nodes = group._call_all("node", timeout_s=timeout_s)
             group.nodes = list(nodes)
             rendezvous = ray.get(workers[0].pick_rendezvous.remote(), timeout=timeout_s)
-            envs = rank_environments(nodes, rendezvous)
+            envs = rank_environments(nodes, rendezvous, launch=trainer_environment(
+                cuda_ipc=run_config.weight_sync.transport == "tensor"))
             config_ref = ray.put(run_config)
             gather([w.setup.remote(env, config_ref, family, config_overrides)
                     for w, env in zip(workers, envs)], group._labels(),

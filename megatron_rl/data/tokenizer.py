@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0..3
 TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -58,11 +58,22 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int,
                                    eos_token="</s>", unk_token="<unk>")
 
 
-def prompt_token_ids(tokenizer, prompt: str) -> list[int]:
-    """A prompt as the policy sees it, in RL runs (megatron_rl/run_setup.py) and SFT alike: the
-    chat template with the generation prompt when the tokenizer has one, else the text with the
-    tokenizer's special tokens (e.g. a BOS)."""
+def prompt_token_ids(tokenizer, prompt: str | Sequence[Mapping[str, str]]) -> list[int]:
+    """A prompt as the policy sees it, in RL runs (megatron_rl/data/run_prompts.py) and SFT
+    alike. `prompt` is a text (one user turn) or a conversation (chat messages, e.g.
+    `PromptRecord.conversation`: a system prompt, earlier turns). With a chat template: the
+    conversation rendered by it, with the generation prompt. Without one: the text of a single
+    user turn with the tokenizer's special tokens (e.g. a BOS); a longer conversation then has no
+    faithful rendering and raises ValueError."""
+    conversation = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+                    else [dict(message) for message in prompt])
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True))
-    return list(tokenizer.encode(prompt, add_special_tokens=True))
+        # return_dict=False: transformers 5 returns a BatchEncoding by default.
+        return list(tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    if len(conversation) == 1 and conversation[0]["role"] == "user":
+        return list(tokenizer.encode(conversation[0]["content"], add_special_tokens=True))
+    roles = ", ".join(message["role"] for message in conversation)
+    raise ValueError(f"the prompt is a conversation ({roles}) and the tokenizer has no chat "
+                     "template to render it; use a tokenizer with one (tokenizer_config.json's "
+                     "chat_template) or single-turn prompts")

@@ -5,8 +5,9 @@ Everything else in the project asks this package (`has_cuda()`, `has_transformer
 of branching on `torch.cuda` itself. `activate_cpu_compat()` applies the CPU shims (a no-op when
 CUDA is available) and must run before the first `import megatron.core`;
 `init_distributed(...)` does that, starts torch.distributed (gloo on CPU, NCCL on GPU) and
-Megatron's parallel_state, and seeds Megatron's model-parallel RNG. Importing this package does not
-import Megatron.
+Megatron's parallel_state, and seeds Megatron's model-parallel RNG. Tensors that enter the model
+live on `device()`; tensors handed to a collective are created on `collective_device()`.
+Importing this package does not import Megatron.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from megatron_rl.platform.cpu_compat import activate_cpu_compat, is_cpu_compat_active
 from megatron_rl.platform.distributed import (
+    collective_device,
     destroy_distributed,
     distributed_backend,
     init_distributed,
@@ -24,6 +26,7 @@ from megatron_rl.platform.distributed import (
 
 __all__ = [
     "activate_cpu_compat",
+    "collective_device",
     "destroy_distributed",
     "device",
     "distributed_backend",

@@ -4,6 +4,15 @@ One call, `init_distributed(...)`, takes the parallel sizes (the same names as M
 `initialize_model_parallel`), reads the rank and world size that torchrun exports (or runs as a
 single process when they are absent), picks gloo on CPU and NCCL on GPU, builds Megatron's groups
 and seeds its model-parallel RNG. `destroy_distributed()` undoes it so tests can re-initialise.
+
+The one rule for collectives: every tensor our code hands to a torch.distributed collective over
+these groups is created on `collective_device()`. NCCL serves only CUDA tensors (a CPU tensor
+fails with "No backend type associated with device type cpu"), and a tensor made without a
+device lands on the CPU, which CPU runs (gloo) never notice;
+tests/unit/test_platform_collectives.py checks every collective call site of megatron_rl/ and
+models/ against this rule. (Initialising with "cpu:gloo,cuda:nccl" instead would give each of
+Megatron's groups, which megatron-core 0.19.2 creates with the default backend, a second, gloo
+backend: full-mesh TCP connections per group on every rank.)
 """
 from __future__ import annotations
 
@@ -17,6 +26,14 @@ from megatron_rl.platform.cpu_compat import activate_cpu_compat
 
 def distributed_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def collective_device() -> torch.device:
+    """Where a tensor passed to a collective over the trainer's process groups must live: this
+    rank's CUDA device under NCCL (GPU), the CPU under gloo."""
+    if distributed_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def init_distributed(

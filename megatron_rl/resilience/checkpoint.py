@@ -19,6 +19,11 @@ It is written into `.step_<N>.partial` and renamed to `step_<N>` once the manife
 never loaded (and is removed by the next save). Loading takes the newest checkpoint whose manifest
 verifies; a newer one that does not (a shard missing, truncated or changed; the manifest unreadable)
 is skipped with a message naming the problem, and the previous one is used.
+
+Rolling back (checkpoint.load naming an older step_<N>) starts a new branch of the run. The old
+branch's newer checkpoints are moved aside into `abandoned-<UTC time>/` under the root, never
+deleted (`set_aside_newer`): left in place, `prune` (which keeps the highest steps) would delete
+the new branch's saves and `latest_valid` would resume the abandoned branch.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ RUN_STATE = "run_state.pkl"
 TRAINER_DIR = "trainer"
 _NAME = re.compile(r"^step_(\d+)$")
 _PARTIAL = re.compile(r"^\.step_(\d+)\.partial$")
+ABANDONED_PREFIX = "abandoned-"
 _MANIFEST_VERSION = 1
 
 
@@ -180,3 +186,30 @@ def prune(root: str | os.PathLike, keep_last: int) -> list[Path]:
     for path in doomed:
         shutil.rmtree(path)
     return doomed
+
+
+def set_aside_newer(root: str | os.PathLike, step: int) -> list[Path]:
+    """Move the committed checkpoints of steps > `step` into a new `abandoned-<UTC time>/`
+    folder under `root` (nothing is deleted); returns their new paths, oldest first. Called when
+    a run resumes from an explicit older checkpoint (a rollback): the new branch's saves then
+    neither lose to the old branch's higher step numbers in `prune` nor in `latest_valid`,
+    which only look at `root`'s own step_<N> directories. Nothing newer: nothing is created."""
+    root = Path(root)
+    newer = [p for p in reversed(list_checkpoints(root)) if _step_of(p) > step]
+    if not newer:
+        return []
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    folder = root / f"{ABANDONED_PREFIX}{stamp}"
+    suffix = 1
+    while folder.exists():  # a second rollback within the same second
+        suffix += 1
+        folder = root / f"{ABANDONED_PREFIX}{stamp}-{suffix}"
+    folder.mkdir()
+    moved = []
+    for path in newer:
+        target = folder / path.name
+        path.rename(target)  # same file system: atomic, no copy
+        moved.append(target)
+    _fsync(folder)
+    _fsync(root)
+    return moved

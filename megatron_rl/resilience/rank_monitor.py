@@ -14,9 +14,11 @@ calls it at the same step), so that a hang is caught after a few step lengths in
 Weight syncs and checkpoints keep the fixed timeout (rare, and their length varies).
 
 Under `ft_launcher`, nvrx restarts ranks itself; here Ray starts them, so only the monitor and its
-client are used. It runs on CPU (it needs no GPU; its NIC health check finds no InfiniBand and is
-off). Where nvidia-resiliency-ext cannot be imported, `RankMonitor.start` returns None with the
-reason, and a hang is caught by the driver's step timeout alone.
+client are used. It runs on CPU (it needs no GPU). nvrx's NIC health check is on only where
+there are GPUs and InfiniBand devices to pair, and without a GPU its GPU health check's warning
+is silenced: both would only print NVML's "library not found" (`_serve`). Where
+nvidia-resiliency-ext cannot be imported, `RankMonitor.start` returns None with the reason, and
+a hang is caught by the driver's step timeout alone.
 
 Files: each monitor keeps its sockets (ours and the one nvrx's server opens for a launcher, which
 it puts in the temporary directory: TMPDIR points there) in a directory named after the rank's
@@ -40,6 +42,7 @@ SECTIONS = ("train_step", "weight_sync", "checkpoint")
 CALIBRATE_AFTER = 3  # train steps seen before the train_step timeout is recalibrated
 _START_TIMEOUT_S = 180.0  # importing torch and nvrx in the monitor; generous on a loaded host
 _SOCKET_DIR_PREFIX = "megatron_rl_rank_monitor_"  # + the rank's pid + "_" + random
+_INFINIBAND_DEVICES = "/sys/class/infiniband"  # where nvrx's NIC health check looks
 
 _log = logging.getLogger(__name__)
 
@@ -151,15 +154,28 @@ def _serve(rank_pid: int, socket_path: str, timeouts: dict) -> None:
     import ctypes
     import signal
 
+    import torch
     from nvidia_resiliency_ext.fault_tolerance import FaultToleranceConfig, RankMonitorServer
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != rank_pid:  # the rank died before the line above
         return
+    has_gpus = torch.cuda.is_available()
+    if not has_gpus:
+        # nvrx builds its GPU health check whatever the config says, and without a GPU driver it
+        # warns "GPU Health checks disabled: ... NVML Shared Library Not Found": there is no GPU
+        # to check, so that is no news. Its errors still show.
+        logging.getLogger("nvidia_resiliency_ext.shared_utils.health_check").setLevel(
+            logging.ERROR)
     config = FaultToleranceConfig(
         initial_rank_heartbeat_timeout=None, rank_heartbeat_timeout=None,
         rank_out_of_section_timeout=None,  # waiting for data between steps is not a hang
-        **timeouts)
+        log_level=logging.WARNING,  # its INFO lines narrate start-up; a detected hang is a warning
+        # The NIC health check pairs each GPU (found through NVML) with its InfiniBand NIC (under
+        # /sys/class/infiniband). Without both it watches nothing, after printing NVML's "Shared
+        # Library Not Found" with two chained tracebacks and "No such file or directory:
+        # /sys/class/infiniband" at every start, which on a CPU machine reads like a crash.
+        enable_nic_monitor=has_gpus and os.path.isdir(_INFINIBAND_DEVICES), **timeouts)
     RankMonitorServer.run(cfg=config, ipc_socket_path=socket_path,
                           rank_monitor_ready_event=_Ready(), is_restarter_logger=False)
 

@@ -88,8 +88,10 @@ class GeneratorHealth:
 
     def check(self, *, now: bool = False, strikes: int = _HEALTH_STRIKES) -> None:
         """Health-check every generator (every rollout.health_check_interval_s, or `now`),
-        take the ones failing `strikes` checks in a row (or a request) out of the rotation and
-        restart them."""
+        take the ones failing `strikes` checks in a row, a request, or the liveness rule (no
+        progress for rollout.no_progress_timeout_s, docs/pipeline.md) out of the rotation and
+        restart them. A failed rollout task (RolloutError) is raised here."""
+        self.loop.run(self.manager.raise_if_failed)  # a rollout task's failure stops the run
         interval = self.cfg.rollout.health_check_interval_s
         if now or time.monotonic() - self._last_check >= interval:
             self._last_check = time.monotonic()
@@ -102,6 +104,11 @@ class GeneratorHealth:
                     self._strikes[index] = 0
                     self.loop.run(lambda i=index, r=str(unhealthy[index]):
                                   self.manager.mark_down(i, r))
+            if not now:  # `now` comes from a weight sync, whose pause makes no progress
+                # Engines with requests in flight and no progress (no answer, no passed
+                # /health_generate) for rollout.no_progress_timeout_s: marked down.
+                self.loop.call(self.manager.check_liveness(
+                    self.cfg.rollout.no_progress_timeout_s))
         self._failures += self.loop.run(self.manager.take_failures)
         down = self.loop.run(lambda: self.manager.down) - self._given_up
         for index in sorted(down):

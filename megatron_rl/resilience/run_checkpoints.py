@@ -75,6 +75,19 @@ def resume_point(cfg: RunConfig, out: Path, root: Path) -> Path | None:
     return found
 
 
+def start_branch(cfg: RunConfig, root: Path, step: int) -> None:
+    """A run resumed from an explicit checkpoint.load of step `step` starts a new branch: the
+    newer checkpoints of the abandoned one are moved aside, never deleted (checkpoint.py
+    `set_aside_newer`), so that neither prune nor the next resume prefers them."""
+    if cfg.checkpoint.load is None:
+        return
+    moved = run_checkpoint.set_aside_newer(root, step)
+    if moved:
+        notice(f"rolled back to step {step}: the newer checkpoints of the abandoned branch "
+               f"({', '.join(p.name for p in moved)}) are moved to {moved[0].parent} "
+               "(nothing is deleted)")
+
+
 class RunCheckpoints:
     """Saves and commits the run's checkpoints under `root` (checkpoint.dir).
 

@@ -68,12 +68,16 @@ class RewardRegistry:
                                    "register one with RewardRegistry.register")
         return entry
 
+    def missing_fields(self, record: PromptRecord) -> list[str]:
+        """The record fields its reward needs that it lacks; UnknownTaskError for an unknown
+        task. Only the registrations are read: no verifier needs to be running."""
+        return [f for f in self._entry(record.task).requires if not getattr(record, f)]
+
     def check(self, records: Sequence[PromptRecord]) -> None:
         """Fail before training if a record's task is unknown or lacks what its reward needs."""
         problems = []
         for record in records:
-            entry = self._entry(record.task)
-            missing = [f for f in entry.requires if not getattr(record, f)]
+            missing = self.missing_fields(record)
             if missing:
                 problems.append(f"{record.prompt_id} (task {record.task!r}) lacks {missing}")
         if problems:

@@ -17,6 +17,14 @@ KEEPALIVE_S, sooner than the server does, which avoids most of these races.
 The client also keeps the generator's activity for the run's metrics (`activity()`): how long at
 least one request was in flight (the engine had work; a weight update's pause is subtracted by
 the caller, who knows it) and how many tokens came back.
+
+A request has no time limit of its own by default: its wall time is queueing behind every other
+request on the engine (validation sends thousands at once), decoding up to 32k tokens and
+weight-update pauses, so no per-request bound tells a slow engine from a hung one. Liveness is
+judged per engine, from progress (`progress()`, `probe()`; the rollout manager's
+`check_liveness` decides): the last time any of its requests was answered, or SGLang's
+/health_generate confirmed a completed forward step. A caller may still set
+`request_timeout_s`; its expiry is a GeneratorError (the request took too long), never a death.
 """
 from __future__ import annotations
 
@@ -30,6 +38,17 @@ from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, Gen
                                        SamplingParams)
 
 KEEPALIVE_S = 2.0  # below uvicorn's 5 s keep-alive timeout (SGLang's HTTP server)
+# A server that does not even accept a TCP connection this long is not answering (the kernel
+# accepts connections for a busy server); it counts like a broken connection (retried, then dead).
+CONNECT_TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GeneratorProgress:
+    """One engine's liveness as the client saw it, at one moment (`AsyncSGLangClient.progress`)."""
+
+    in_flight: int  # requests sent and not answered
+    since_progress_s: float  # since the last answer, successful probe, or start of work
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,23 +67,58 @@ class GeneratorActivity:
 class AsyncSGLangClient:
     """Use inside a running event loop; `close()` (or `async with`) releases its connections."""
 
-    def __init__(self, url: str, *, request_timeout_s: float = 300.0,
+    def __init__(self, url: str, *, request_timeout_s: float | None = None,
                  connection_retries: int = 3, backoff_s: float = 0.2,
-                 return_routed_experts: bool = False):
+                 return_routed_experts: bool = False, max_connections: int = 100):
         self.url = url.rstrip("/")
         # Routing replay: every result carries its positions' routed experts (the server must
         # run with enable_return_routed_experts).
         self.return_routed_experts = return_routed_experts
         self.request_timeout_s = request_timeout_s
+        # Requests beyond it wait here for a connection (they count as in flight; SGLang would
+        # queue them too). aiohttp's default; each connection is a file descriptor.
+        self.max_connections = max_connections
         self.connection_retries = connection_retries
         self.backoff_s = backoff_s
         self.reconnects = 0  # requests resent after a broken connection (all time)
         self._session = None
+        self._probe_session = None  # its own connection: never queued behind the requests
         self._in_flight = 0
         self._busy_since = 0.0
         self._busy_s = 0.0
         self._tokens = 0
         self._requests = 0
+        self._last_progress = time.monotonic()
+
+    def progress(self) -> GeneratorProgress:
+        """Requests in flight and the time since this engine last showed progress: one of its
+        requests answered (with an HTTP status: the server is serving), a `probe` passed, or it
+        was given work while idle (its no-progress time starts then)."""
+        return GeneratorProgress(self._in_flight, time.monotonic() - self._last_progress)
+
+    async def probe(self, timeout_s: float) -> str | None:
+        """SGLang's own liveness check, GET /health_generate: 200 once the scheduler completes a
+        forward step (busy), or a one-token generation (idle), within SGLang's health window
+        (SGLANG_HEALTH_CHECK_TIMEOUT, 20 s); 503 otherwise. None when it passed (progress is
+        recorded), else why not."""
+        import aiohttp
+
+        if self._probe_session is None:
+            self._probe_session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True))
+        try:
+            async with self._probe_session.get(
+                    f"{self.url}/health_generate",
+                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                if response.status == 200:
+                    self._last_progress = time.monotonic()
+                    return None
+                return (f"/health_generate answered HTTP {response.status}: "
+                        f"{(await response.text())[:200]}")
+        except TimeoutError:
+            return f"/health_generate did not answer within {timeout_s:g} s"
+        except aiohttp.ClientError as exc:
+            return f"/health_generate failed: {type(exc).__name__}: {exc}"
 
     def activity(self) -> GeneratorActivity:
         """The counters now (safe to call from another thread: a torn read is off by one
@@ -77,6 +131,7 @@ class AsyncSGLangClient:
     def _request_started(self) -> None:
         if self._in_flight == 0:
             self._busy_since = time.perf_counter()
+            self._last_progress = time.monotonic()  # idle until now: nothing was overdue
         self._in_flight += 1
 
     def _request_ended(self) -> None:
@@ -91,17 +146,20 @@ class AsyncSGLangClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._probe_session):
+            if session is not None:
+                await session.close()
+        self._session = self._probe_session = None
 
     def _client(self):
         import aiohttp
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S))
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s,
+                                              sock_connect=CONNECT_TIMEOUT_S),
+                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S,
+                                               limit=self.max_connections))
         return self._session
 
     async def generate_one(self, input_ids: Sequence[int], max_new_tokens: int,
@@ -143,15 +201,23 @@ class AsyncSGLangClient:
 
     async def _post_generate_once(self, payload: dict,
                                   input_ids: Sequence[int]) -> GenerationResult:
+        import aiohttp
+
         try:
             async with self._client().post(f"{self.url}/generate", json=payload) as response:
+                self._last_progress = time.monotonic()  # it answers: alive, whatever it says
                 if response.status >= 400:
                     raise GeneratorError(f"SGLang server {self.url}: /generate failed with HTTP "
                                          f"{response.status}: {(await response.text())[:2000]}")
                 out = await response.json()
-        except TimeoutError:  # a hung server: the same recovery as a dead one
-            raise GeneratorDeadError(f"SGLang server {self.url}: /generate timed out after "
-                                     f"{self.request_timeout_s:.0f} s") from None
+        except aiohttp.ServerTimeoutError:
+            raise  # no connection within CONNECT_TIMEOUT_S: retried like a broken one
+        except TimeoutError:  # the caller's own ceiling, not a sign of death
+            raise GeneratorError(
+                f"SGLang server {self.url}: a /generate request took longer than its "
+                f"request_timeout_s={self.request_timeout_s:g} s (queueing + decoding + "
+                "pauses); raise or unset it: generator liveness comes from progress "
+                "(rollout.no_progress_timeout_s)") from None
         if not isinstance(out, dict) or "meta_info" not in out:
             raise GeneratorError(f"SGLang server {self.url}: /generate returned "
                                  f"{type(out).__name__}, not one completion")

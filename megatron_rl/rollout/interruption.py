@@ -1,17 +1,29 @@
 """Forced interruption at generation time (ScaleRL length control, SCALERL.md section 5): one
 completion as a small state machine over generation requests to the same server.
 
-1. Draw the thinking budget B uniformly in [thinking_budget_min, thinking_budget] and generate
-   up to B tokens.
-2. Finished (stop): done.
-3. Cut by length after the model closed its thinking itself (the end-of-thinking tokens appear):
-   continue the answer with a second request for what is left of the solution budget.
+The rule: the thinking part is bounded by a budget B drawn uniformly in [thinking_budget_min,
+thinking_budget]; everything after the end of the thinking (the model's own end-of-thinking
+marker "</think>", or the interruption phrase, which ends with it) is the answer, bounded by
+solution_budget. So a completion has at most B + solution_budget tokens, and a model that closes
+its thinking early gets solution_budget tokens of answer, not the rest of B.
+
+1. Generate up to B tokens, stopping at the end-of-thinking marker (SGLang `stop_token_ids` when
+   the marker is one token, as in reasoning models' tokenizers).
+2. Finished (stop) without closing the thinking: done.
+3. Stopped at the marker (or cut by length after it): continue the answer with a second request
+   for what is left of solution_budget. A server that did not stop at the marker (a marker of
+   several tokens) may have written more answer than solution_budget inside the first request:
+   the completion is cut at the limit (finish reason "length"), as if generation had stopped
+   there; the tokens before it keep their log-probs, which later tokens do not change.
 4. Cut by length inside the thinking part: append the interruption phrase (tokenized once, never
    re-tokenizing the output; not sampled: loss mask 0) and continue from prompt + output + phrase
-   for the solution budget, which the phrase counts against.
+   for the solution budget, which the phrase counts against. The phrase is preceded by a space
+   unless the thinking already ends in whitespace (`InterruptionSettings.phrase_after`), so that
+   "... = -3" never becomes "-3Okay, time is up.".
 
 Continuations send the token ids the server produced, so nothing is re-tokenized, and carry the
-same `extra_key` (the group's admission version) so that the prefix cache serves their prompt.
+same `extra_key` (the group's prefix-cache key: its admission version) so that the prefix cache
+serves their prompt.
 
 A request that comes back aborted (`weight_sync.pause_mode: abort` ends running requests for a
 weight update) is resubmitted from prompt + everything generated so far, for what is left of its
@@ -29,11 +41,12 @@ import random
 from collections.abc import Awaitable, Callable, Sequence
 
 from megatron_rl.algorithms.length_control import sample_thinking_budget
-from megatron_rl.rollout.samples import RolloutSample, Segment, assemble_sample
+from megatron_rl.rollout.samples import RolloutSample, Segment, assemble_sample, truncate_segments
 from megatron_rl.rollout.types import GenerationResult, GeneratorError, SamplingParams
 
-# (input token ids, max new tokens) -> one completion of them.
-GenerateOne = Callable[[Sequence[int], int], Awaitable[GenerationResult]]
+# (input token ids, max new tokens, *, stop_token_ids=extra stop tokens) -> one completion of
+# them. The stop token, when matched, is the completion's last token (finish reason "stop").
+GenerateOne = Callable[..., Awaitable[GenerationResult]]
 # Consecutive aborted requests that returned no token before a completion is given up.
 MAX_IDLE_ABORTS = 8
 
@@ -41,8 +54,11 @@ MAX_IDLE_ABORTS = 8
 def bind_generate(client, params: SamplingParams, *, extra_key: str | None) -> GenerateOne:
     """The GenerateOne of one sample: `client.generate_one` (AsyncSGLangClient) with the sample's
     sampling parameters (its own seed: SamplingParams.for_sample) and prefix-cache key."""
-    def generate_one(input_ids: Sequence[int], max_new_tokens: int):
-        return client.generate_one(input_ids, max_new_tokens, params, extra_key=extra_key)
+    def generate_one(input_ids: Sequence[int], max_new_tokens: int, *,
+                     stop_token_ids: Sequence[int] = ()):
+        request = params if not stop_token_ids else dataclasses.replace(
+            params, stop_token_ids=params.stop_token_ids + tuple(stop_token_ids))
+        return client.generate_one(input_ids, max_new_tokens, request, extra_key=extra_key)
     return generate_one
 
 
@@ -54,6 +70,13 @@ class InterruptionSettings:
     solution_budget: int = 2048
     phrase_ids: tuple[int, ...] = ()  # the interruption phrase, tokenized once
     think_end_ids: tuple[int, ...] = ()  # the end-of-thinking marker ("</think>"), tokenized
+    # The phrase tokenized after a space, for a thinking that does not end in whitespace (the
+    # tokenizer merges the space into the phrase's first word); () = always `phrase_ids`.
+    spaced_phrase_ids: tuple[int, ...] = ()
+    # token ids -> text (the policy tokenizer's decode): tells whether the thinking ends in
+    # whitespace. None: the spaced phrase always (a double space at worst, never glued text).
+    decode: Callable[[Sequence[int]], str] | None = dataclasses.field(default=None,
+                                                                      compare=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.thinking_budget_min <= self.thinking_budget:
@@ -65,22 +88,40 @@ class InterruptionSettings:
         if self.enabled and not (self.phrase_ids and self.think_end_ids):
             raise ValueError("forced interruption needs the tokenized interruption phrase and "
                              "end-of-thinking marker (phrase_ids, think_end_ids)")
-        if self.enabled and len(self.phrase_ids) >= self.solution_budget:
-            raise ValueError(f"the interruption phrase ({len(self.phrase_ids)} tokens) leaves no "
+        longest = max(len(self.phrase_ids), len(self.spaced_phrase_ids))
+        if self.enabled and longest >= self.solution_budget:
+            raise ValueError(f"the interruption phrase ({longest} tokens) leaves no "
                              f"room in solution_budget ({self.solution_budget}); raise "
                              "rollout.solution_budget or shorten rollout.interruption_phrase")
 
     @classmethod
     def from_rollout_config(cls, rollout, encode: Callable[[str], Sequence[int]], *,
+                            decode: Callable[[Sequence[int]], str] | None = None,
                             think_end: str = "</think>") -> "InterruptionSettings":
         """From megatron_rl.config's RolloutConfig; `encode` is the policy tokenizer's text ->
-        ids without special tokens (e.g. `lambda s: tok.encode(s, add_special_tokens=False)`)."""
-        enabled = rollout.forced_interruption
-        return cls(enabled=enabled, thinking_budget_min=rollout.thinking_budget_min,
+        ids without special tokens (e.g. `lambda s: tok.encode(s, add_special_tokens=False)`),
+        `decode` its ids -> text (to see whether a thinking ends in whitespace)."""
+        if not rollout.forced_interruption:
+            return cls(enabled=False, thinking_budget_min=rollout.thinking_budget_min,
+                       thinking_budget=rollout.thinking_budget,
+                       solution_budget=rollout.solution_budget)
+        phrase = rollout.interruption_phrase
+        phrase_ids = tuple(encode(phrase))
+        spaced = phrase_ids if phrase[:1].isspace() else tuple(encode(" " + phrase))
+        return cls(enabled=True, thinking_budget_min=rollout.thinking_budget_min,
                    thinking_budget=rollout.thinking_budget,
-                   solution_budget=rollout.solution_budget,
-                   phrase_ids=tuple(encode(rollout.interruption_phrase)) if enabled else (),
-                   think_end_ids=tuple(encode(think_end)) if enabled else ())
+                   solution_budget=rollout.solution_budget, phrase_ids=phrase_ids,
+                   spaced_phrase_ids=spaced, think_end_ids=tuple(encode(think_end)),
+                   decode=decode)
+
+    def phrase_after(self, thought: Sequence[int]) -> tuple[int, ...]:
+        """The phrase's tokens to append after `thought`: spaced unless the thought ends in
+        whitespace (or no spaced form is known)."""
+        if not self.spaced_phrase_ids:
+            return self.phrase_ids
+        if thought and self.decode is not None and self.decode([thought[-1]])[-1:].isspace():
+            return self.phrase_ids
+        return self.spaced_phrase_ids
 
     @property
     def max_response_tokens(self) -> int:
@@ -103,15 +144,16 @@ def _sampled(result: GenerationResult) -> Segment:
     return Segment.from_generation(result)  # with the routed experts, when requested
 
 
-async def _generate(generate_one: GenerateOne, prefix: tuple[int, ...],
-                    budget: int) -> tuple[list[Segment], str]:
+async def _generate(generate_one: GenerateOne, prefix: tuple[int, ...], budget: int, *,
+                    stop_token_ids: tuple[int, ...] = ()) -> tuple[list[Segment], str]:
     """Up to `budget` tokens after `prefix` as sampled segments and the finish reason ("stop" or
     "length"), resubmitting aborted requests (see the module docstring)."""
     segments: list[Segment] = []
     produced: tuple[int, ...] = ()
     idle_aborts = 0
     while True:
-        result = await generate_one(prefix + produced, budget - len(produced))
+        result = await generate_one(prefix + produced, budget - len(produced),
+                                    stop_token_ids=stop_token_ids)
         if result.token_ids or result.finish_reason != "abort":
             segments.append(_sampled(result))
             produced += tuple(result.token_ids)
@@ -131,26 +173,36 @@ async def generate_completion(generate_one: GenerateOne, prompt_ids: Sequence[in
                               sample_index: int) -> RolloutSample:
     """One completion of `prompt_ids`, with forced interruption when `settings.enabled`."""
     prompt = tuple(int(t) for t in prompt_ids)
+
+    def _sample(segments: Sequence[Segment], finish: str, budget: int | None) -> RolloutSample:
+        return assemble_sample(group_id=group_id, sample_index=sample_index,
+                               prompt_token_ids=prompt, segments=segments, finish_reason=finish,
+                               thinking_budget=budget)
+
     if not settings.enabled:
         segments, finish = await _generate(generate_one, prompt, settings.max_response_tokens)
-        return assemble_sample(group_id=group_id, sample_index=sample_index,
-                               prompt_token_ids=prompt, segments=segments,
-                               finish_reason=finish)
+        return _sample(segments, finish, None)
     budget = sample_thinking_budget(rng, settings.thinking_budget_min, settings.thinking_budget)
-    segments, finish = await _generate(generate_one, prompt, budget)
-    if finish == "length":
-        thought = tuple(t for s in segments for t in s.token_ids)
-        end = find_subsequence(thought, settings.think_end_ids)
-        if end is None:  # still thinking at the budget: force the answer
-            segments.append(Segment(token_ids=settings.phrase_ids, sampled=False))
-            remaining = settings.solution_budget - len(settings.phrase_ids)
-        else:  # the answer had started: it gets the rest of the solution budget
-            remaining = settings.solution_budget - (
-                len(thought) - end - len(settings.think_end_ids))
-        if remaining > 0:
-            so_far = prompt + tuple(t for s in segments for t in s.token_ids)
-            answer, finish = await _generate(generate_one, so_far, remaining)
-            segments += answer
-    return assemble_sample(group_id=group_id, sample_index=sample_index,
-                           prompt_token_ids=prompt, segments=segments, finish_reason=finish,
-                           thinking_budget=budget)
+    marker = settings.think_end_ids
+    segments, finish = await _generate(generate_one, prompt, budget,
+                                       stop_token_ids=marker if len(marker) == 1 else ())
+    thought = tuple(t for s in segments for t in s.token_ids)
+    end = find_subsequence(thought, marker)
+    if end is None:
+        if finish != "length":  # finished without closing its thinking: nothing to answer
+            return _sample(segments, finish, budget)
+        phrase = settings.phrase_after(thought)  # still thinking at the budget: force the answer
+        segments.append(Segment(token_ids=phrase, sampled=False))
+        remaining = settings.solution_budget - len(phrase)
+    else:  # the model closed its thinking: what follows is the answer, in solution_budget
+        answer_start = end + len(marker)
+        answered = len(thought) - answer_start
+        if answered > settings.solution_budget:  # the server did not stop at the marker
+            return _sample(truncate_segments(segments, answer_start + settings.solution_budget),
+                           "length", budget)
+        if answered == settings.solution_budget or (finish == "stop" and answered > 0):
+            return _sample(segments, finish, budget)  # the answer is complete or at its limit
+        remaining = settings.solution_budget - answered
+    so_far = prompt + tuple(t for s in segments for t in s.token_ids)
+    answer, finish = await _generate(generate_one, so_far, remaining)
+    return _sample(segments + answer, finish, budget)

@@ -10,17 +10,29 @@ One asyncio event loop (a Ray async actor in a cluster run, or the driver's own 
 - take: the trainer asks for `prompts_per_step` groups; each is checked against the staleness
   bound at take time (fresh: trained; stale: re-queued or dropped, as the gate's policy says).
 
-Generator failures (a request that finds the server gone or unresponsive, or the driver's health
-check through `mark_down`) take that engine out of the rotation: its groups in flight are
+Generator failures (a request that finds the server gone, the driver's health check through
+`mark_down`, or `check_liveness`: requests in flight and no progress for
+rollout.no_progress_timeout_s) take that engine out of the rotation: its groups in flight are
 cancelled and re-queued once each under their own group ids (same prompt, same sampling seeds) for
 the engines still up, and the failure is reported through `take_failures()`; the driver restarts
-the engine, re-syncs its weights and returns it with `mark_up`. A verifier that raises, or any
-other error, stops the manager: `take` raises `RolloutError` naming it, never a silent partial
-batch.
+the engine, re-syncs its weights and returns it with `mark_up`. A request's wall time alone
+never condemns an engine (async_client.py). A verifier that raises, or any other error in a
+task of the manager (admission included: e.g. No-Positive-Resampling has retired every prompt),
+stops the manager: `take` and `raise_if_failed` raise `RolloutError` naming it, never a silent
+partial batch or a wait forever; every task's failure is consumed here (no "Task exception was
+never retrieved").
+
+A stale group re-queued at take time is regenerated as a new group (the staleness gate's policy)
+at most `max_requeues` times, and not at all once No-Positive-Resampling has retired its prompt.
+The prefix-cache key of a request (`prefix_cache_key`) names the policy version and the
+manager's incarnation, which every `load_state_dict` (a resume, or a restore after a trainer
+failure) advances: the versions redone after a restore are other weights than the abandoned
+branch's versions of the same number, and must not reuse their KV.
 
 `state_dict()` / `load_state_dict()` carry the manager (with its sampler and admission gate)
 through a run checkpoint: the buffered groups with their samples, the groups in flight (as tickets:
-regenerated under the same group ids on resume), the re-queued prompts and the next group id.
+regenerated under the same group ids on resume), the re-queued prompts (with how often each was
+regenerated) and the next group id.
 """
 from __future__ import annotations
 
@@ -39,6 +51,9 @@ from megatron_rl.rollout.types import GeneratorDeadError, SamplingParams
 
 # (completion texts, their prompt records) -> reward results, in order (RewardRegistry.score_many)
 ScoreFn = Callable[[list, list], list]
+# Longest wait for one /health_generate probe: SGLang answers 503 after its own 20 s window, and
+# an HTTP server busy taking in thousands of requests may start on the probe late.
+PROBE_TIMEOUT_S = 30.0
 
 
 class RolloutError(RuntimeError):
@@ -103,8 +118,11 @@ class RolloutManager:
         self.max_finished_groups = max_finished_groups
         self.seed = seed
         self.version = 0  # the newest policy version the generators hold
+        self.incarnation = 0  # advanced by every load_state_dict: part of the prefix-cache key
         self._finished: collections.deque[FinishedGroup] = collections.deque()
-        self._requeued: collections.deque[int] = collections.deque()  # stale: new group ids
+        # Stale prompts to admit again as new groups: (prompt index, times regenerated then).
+        self._requeued: collections.deque[tuple[int, int]] = collections.deque()
+        self._requeue_counts: dict[int, int] = {}  # group id -> times its prompt was regenerated
         self._retry: collections.deque[GroupTicket] = collections.deque()  # same group ids
         self._running: dict[asyncio.Task, tuple[GroupTicket, int]] = {}  # -> (ticket, client)
         self._requests: dict[asyncio.Task, int] = {}  # run_anywhere's requests -> client
@@ -125,7 +143,19 @@ class RolloutManager:
 
     def start(self) -> None:
         """Begin admitting groups (call from inside the running event loop)."""
-        self._admitter = asyncio.get_running_loop().create_task(self._admit_forever())
+        self._admitter = asyncio.get_running_loop().create_task(self._admit_forever(),
+                                                                name="rollout admission")
+        self._admitter.add_done_callback(self._admission_done)
+
+    def _admission_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():  # stop()
+            return
+        error = task.exception()  # consumed here: it reaches take() and the driver
+        if error is not None and self._error is None:
+            self._error = RolloutError(f"admitting new groups failed: {type(error).__name__}: "
+                                       f"{error}")
+            self._error.__cause__ = error
+        self._notify()
 
     async def stop(self) -> None:
         """Cancel admission and every group in flight (take `state_dict` first to keep them)."""
@@ -157,6 +187,12 @@ class RolloutManager:
     @property
     def next_group_id(self) -> int:
         return self._next_group_id
+
+    def prefix_cache_key(self, version: int) -> str:
+        """SGLang `extra_key` of requests generated at policy `version` (training groups use
+        their admission version; validation the current one): requests share cached KV only
+        with requests of the same weights, also across a restore (see the module docstring)."""
+        return f"v{version}-r{self.incarnation}"
 
     def outstanding_group_ids(self) -> list[int]:
         """Admitted groups not taken yet: buffered, generating, or waiting to be regenerated."""
@@ -201,12 +237,51 @@ class RolloutManager:
         self._up_again = asyncio.Event()
         self._notify()
 
+    async def check_liveness(self, no_progress_timeout_s: float, *,
+                             probe_timeout_s: float = PROBE_TIMEOUT_S) -> dict[int, str]:
+        """Take out of the rotation (`mark_down`) every generator that is hung: it has requests
+        in flight and has shown no progress for `no_progress_timeout_s` (rollout.
+        no_progress_timeout_s): none of its requests was answered, and SGLang's own liveness
+        check, /health_generate (a completed forward step, or a one-token generation when idle),
+        failed. A slow engine (32k-token requests, thousands queued) answers the probe and is
+        never taken out however long its requests take. Generators whose last progress is older
+        than a quarter of the window are probed, so a hung one is taken out at the first call
+        after the window has passed (and its probe, at most `probe_timeout_s`, failed). Call it
+        periodically (the driver's health check), never while the generators are paused for a
+        weight update (a paused engine makes no progress). Returns {index: reason} of the
+        generators taken out."""
+        if not (no_progress_timeout_s > 0 and probe_timeout_s > 0):
+            raise ValueError(f"no_progress_timeout_s ({no_progress_timeout_s}) and "
+                             f"probe_timeout_s ({probe_timeout_s}) must be > 0")
+        watched = {index: client for index, client in enumerate(self.clients)
+                   if index not in self._down and self._overdue(client, no_progress_timeout_s / 4)}
+        if not watched:
+            return {}
+        failures = await asyncio.gather(*(c.probe(probe_timeout_s) for c in watched.values()))
+        hung: dict[int, str] = {}
+        for (index, client), failure in zip(watched.items(), failures):
+            if index in self._down or self.clients[index] is not client:  # changed meanwhile
+                continue
+            progress = client.progress()
+            if failure is not None and self._overdue(client, no_progress_timeout_s):
+                hung[index] = (
+                    f"generator {index} ({client.url}) is hung: {progress.in_flight} requests "
+                    f"in flight and no progress for {progress.since_progress_s:.0f} s "
+                    f"(rollout.no_progress_timeout_s={no_progress_timeout_s:g}); {failure}")
+                self.mark_down(index, hung[index])
+        return hung
+
+    @staticmethod
+    def _overdue(client, seconds: float) -> bool:
+        progress = client.progress()
+        return progress.in_flight > 0 and progress.since_progress_s >= seconds
+
     async def run_anywhere(self, key: int, request: Callable):
         """`await request(client)` on a generator in the rotation (the one of `key` modulo the
         generators while it is up): requests outside the training groups, such as validation.
-        When that generator fails (the request finds it dead or timed out, or the driver's
-        health check takes it out with `mark_down`), it is taken out of the rotation like for a
-        group, and the request is sent again to another; with every generator down it waits for
+        When that generator fails (the request finds it dead, or the driver's health check
+        takes it out with `mark_down` or `check_liveness`), it is taken out of the rotation like
+        for a group, and the request is sent again to another; with every generator down it waits for
         `mark_up`. The request must give the same answer on any generator (seeded sampling)."""
         while True:
             index = self._up_client(key)
@@ -214,6 +289,7 @@ class RolloutManager:
                 await self._up_again.wait()
                 continue
             task = asyncio.ensure_future(request(self.clients[index]))
+            task.add_done_callback(_consume)  # also when the caller is cancelled meanwhile
             self._requests[task] = index
             try:
                 await asyncio.wait({task})
@@ -246,13 +322,16 @@ class RolloutManager:
         Each taken group's verified pass rate goes to the No-Positive-Resampling sampler."""
         taken: list[FinishedGroup] = []
         while len(taken) < num_groups:
-            self._raise_if_failed()
+            self.raise_if_failed()
             if not self._finished or not self.gate.may_take(len(self._finished)):
                 self._take_wakeup.clear()
                 await self._take_wakeup.wait()
                 continue
             group = self._finished.popleft()
-            decision = self.gate.on_take(group.oldest_version, self.version)
+            times_requeued = self._requeue_counts.pop(group.group_id, 0)
+            decision = self.gate.on_take(group.oldest_version, self.version,
+                                         times_requeued=times_requeued,
+                                         retired=self.sampler.is_retired(group.prompt_index))
             if decision == TakeDecision.FRESH:
                 taken.append(group)
                 if not any(r.verifier_failed for r in group.results):  # no verdict, no history
@@ -261,7 +340,7 @@ class RolloutManager:
             else:
                 self._discarded.append((group.group_id, group.prompt_index, str(decision)))
                 if decision == TakeDecision.REQUEUE:
-                    self._requeued.append(group.prompt_index)
+                    self._requeued.append((group.prompt_index, times_requeued + 1))
             self._notify()  # buffer room: admission may go on
         # The batch's order does not depend on which group finished first (deterministic runs).
         return sorted(taken, key=lambda g: g.group_id)
@@ -271,12 +350,14 @@ class RolloutManager:
         memory is released for training; the synchronous schedules admit nothing new until the
         next version, so this ends)."""
         while self._running or self._retry:
-            self._raise_if_failed()
+            self.raise_if_failed()
             self._idle_wakeup.clear()
             await self._idle_wakeup.wait()
-        self._raise_if_failed()
+        self.raise_if_failed()
 
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Raise RolloutError naming the failure that stopped the manager (a verifier, the
+        admission, any task of it), if one did: the driver checks it while it waits."""
         if self._error is not None:
             raise RolloutError(f"rollouts stopped: {self._error}") from self._error
 
@@ -293,13 +374,15 @@ class RolloutManager:
             "tickets": sorted([t for t, _ in self._running.values()] + list(self._retry),
                               key=lambda t: t.group_id),
             "requeued": list(self._requeued),
+            "requeue_counts": dict(self._requeue_counts),
             "sampler": self.sampler.state_dict(),
             "gate": self.gate.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict` (before `start`, or after `stop`): the tickets are
-        regenerated first, under their own group ids, with the current weights."""
+        regenerated first, under their own group ids, with the current weights. A new
+        incarnation begins (`prefix_cache_key`)."""
         if self._running or self._admitter is not None:
             raise RuntimeError("load_state_dict on a running rollout manager; stop() it first")
         self.sampler.load_state_dict(state["sampler"])
@@ -308,7 +391,12 @@ class RolloutManager:
         self._next_group_id = state["next_group_id"]
         self._finished = collections.deque(state["finished"])
         self._retry = collections.deque(state["tickets"])
-        self._requeued = collections.deque(state["requeued"])
+        # Older checkpoints hold bare prompt indices: each was regenerated once then.
+        self._requeued = collections.deque((entry, 1) if isinstance(entry, int) else tuple(entry)
+                                           for entry in state["requeued"])
+        self._requeue_counts = {int(g): int(n)
+                                for g, n in state.get("requeue_counts", {}).items()}
+        self.incarnation += 1
         self._discarded, self._failures, self._error = [], [], None
         expected = len(self._finished) + len(self._retry)
         if self.gate.num_outstanding != expected:
@@ -343,10 +431,22 @@ class RolloutManager:
         return min(up, key=lambda i: (load[i], i))
 
     def _admit_one(self) -> None:
-        prompt_index = self._requeued.popleft() if self._requeued else self.sampler.sample(1)[0]
+        prompt_index, times_requeued = self._next_prompt()
         self.gate.on_admit(self.version)
         group_id, self._next_group_id = self._next_group_id, self._next_group_id + 1
+        if times_requeued:
+            self._requeue_counts[group_id] = times_requeued
         self._launch(GroupTicket(group_id=group_id, prompt_index=prompt_index))
+
+    def _next_prompt(self) -> tuple[int, int]:
+        """(prompt index, times regenerated): a re-queued stale prompt first, unless
+        No-Positive-Resampling retired it since (another group of it passed); else the
+        sampler's next (which raises once every prompt is retired)."""
+        while self._requeued:
+            prompt_index, times_requeued = self._requeued.popleft()
+            if not self.sampler.is_retired(prompt_index):
+                return prompt_index, times_requeued
+        return self.sampler.sample(1)[0], 0
 
     def _launch(self, ticket: GroupTicket) -> None:
         client = self._up_client(ticket.group_id)
@@ -356,11 +456,14 @@ class RolloutManager:
         task.add_done_callback(self._group_done)
 
     def _group_done(self, task: asyncio.Task) -> None:
+        # Consumed first, whatever happens to the group: a group that failed just before
+        # mark_down cancelled it (another group's failure on the same generator) is re-queued
+        # by mark_down, and its exception must not surface as "never retrieved".
+        error = None if task.cancelled() else task.exception()
         entry = self._running.pop(task, None)
         if entry is None:  # finished (took itself out), or cancelled by mark_down or stop()
             return
-        if not task.cancelled() and task.exception() is not None:
-            error = task.exception()
+        if error is not None:
             if isinstance(error, GeneratorDeadError):
                 ticket, client = entry
                 self._retry.append(ticket)  # before mark_down, which re-queues the others
@@ -372,7 +475,7 @@ class RolloutManager:
     async def _run_group(self, ticket: GroupTicket, client_index: int, version: int) -> None:
         client = self.clients[client_index]
         group_id, prompt_index = ticket.group_id, ticket.prompt_index
-        extra_key = f"v{version}"  # no cached KV of another policy version is ever reused
+        extra_key = self.prefix_cache_key(version)  # never cached KV of other weights
 
         try:
             async with asyncio.TaskGroup() as samples_group:  # one failure cancels the rest
@@ -396,3 +499,9 @@ class RolloutManager:
                                             admission_version=version, samples=tuple(samples),
                                             results=tuple(results)))
         self._notify()
+
+
+def _consume(task: asyncio.Task) -> None:
+    """Mark a task's exception retrieved (its owner handles or re-raises it where it matters)."""
+    if not task.cancelled():
+        task.exception()

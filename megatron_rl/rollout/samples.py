@@ -114,6 +114,27 @@ class RolloutSample:
         return self.finish_reason == "length"
 
 
+def truncate_segments(segments: Sequence[Segment], num_tokens: int) -> list[Segment]:
+    """The first `num_tokens` completion tokens of `segments` (a completion cut at a limit, as if
+    generation had stopped there): a sampled token's log-prob and version do not depend on the
+    tokens after it; a cut request keeps the routed-expert rows of the positions it keeps."""
+    kept: list[Segment] = []
+    for segment in segments:
+        room = num_tokens - sum(len(s.token_ids) for s in kept)
+        if room <= 0:
+            break
+        if len(segment.token_ids) <= room:
+            kept.append(segment)
+            continue
+        cut = len(segment.token_ids) - room
+        rows = segment.routed_experts
+        kept.append(dataclasses.replace(
+            segment, token_ids=segment.token_ids[:room], logprobs=segment.logprobs[:room],
+            versions=segment.versions[:room],
+            routed_experts=None if rows is None else rows[:rows.shape[0] - cut]))
+    return kept
+
+
 def assemble_sample(*, group_id: int, sample_index: int, prompt_token_ids: Sequence[int],
                     segments: Sequence[Segment], finish_reason: str,
                     thinking_budget: int | None = None) -> RolloutSample:

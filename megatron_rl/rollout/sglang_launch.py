@@ -1,13 +1,18 @@
 """The entry point of an SGLang server process: `python -m megatron_rl.rollout.sglang_launch
 <SGLang server arguments>`.
 
-The module body applies megatron_rl.platform.sglang_cpu's fixes (a no-op with CUDA) before SGLang
-is imported; SGLang starts its scheduler and detokenizer with multiprocessing's spawn, which
-re-imports this module (as `__mp_main__`) in each child, so every process of the server gets the
-same fixes. The `__main__` guard keeps the children from launching servers of their own.
+The module body sets the engine's NCCL variables (megatron_rl.platform.environment: the values
+trainer ranks use too; ones already in the environment, e.g. from the Ray job, stay) and applies
+megatron_rl.platform.sglang_cpu's fixes (a no-op with CUDA), both before SGLang is imported (SGLang
+keeps NCCL values it finds set). SGLang starts its scheduler and detokenizer with multiprocessing's
+spawn, which re-imports this module (as `__mp_main__`) in each child, so every process of the
+server gets the same settings and fixes. The `__main__` guard keeps the children from launching
+servers of their own.
 """
+from megatron_rl.platform.environment import apply_generator_environment
 from megatron_rl.platform.sglang_cpu import apply_sglang_cpu_fixes
 
+apply_generator_environment()
 apply_sglang_cpu_fixes()
 
 

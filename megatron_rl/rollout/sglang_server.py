@@ -22,7 +22,6 @@ labels a completed update without aborting requests.
 """
 from __future__ import annotations
 
-import base64
 import dataclasses
 import os
 import shutil
@@ -424,6 +423,11 @@ def wait_for_health(url: str, timeout_s: float, *, exit_error=lambda: None,
                          f"last log lines ({log_path}):\n{_log_tail(log_path)}")
 
 
+# SGLang 0.5.23's answer to begin_weight_update while a session is open
+# (scheduler_components/weight_updater.py).
+_STALE_SESSION = "a weight-update session is already open"
+
+
 class SGLangGenerator(Generator):
     """The Generator interface over one SGLang server's HTTP API."""
 
@@ -615,7 +619,16 @@ class SGLangGenerator(Generator):
     # ------------------------------------------------------------------ weights
 
     def begin_weight_update(self) -> None:
-        self._post_checked("/begin_weight_update", {})
+        """Open a weight-update session. One left open by a sender that died mid-update (a
+        trainer rank killed during a sync; its replacement restores and syncs every weight) is
+        ended first: otherwise SGLang refuses every later update of the engine."""
+        try:
+            self._post_checked("/begin_weight_update", {})
+        except GeneratorError as exc:
+            if _STALE_SESSION not in str(exc):
+                raise
+            self._post_checked("/end_weight_update", {})
+            self._post_checked("/begin_weight_update", {})
 
     def end_weight_update(self) -> None:
         self._post_checked("/end_weight_update", {})
@@ -646,15 +659,11 @@ class SGLangGenerator(Generator):
     def update_weights_from_tensors(self, named_tensors: Sequence[tuple[str, torch.Tensor]], *,
                                     version: int | None = None,
                                     flush_cache: bool = True) -> None:
-        from sglang.srt.utils import MultiprocessingSerializer
+        from megatron_rl.rollout.sglang_tensors import serialize_for_ranks
 
-        if not torch.cuda.is_available():
-            # CPU tensors travel through shared memory files (CPU_STACK.md).
-            torch.multiprocessing.set_sharing_strategy("file_system")
-        serialized = MultiprocessingSerializer.serialize(list(named_tensors))
-        encoded = base64.b64encode(serialized).decode("ascii")
+        # SGLang's contract: one serialisation per engine rank, with SGLang's CUDA reductions.
         self._post_checked("/update_weights_from_tensor", _with_version({
-            "serialized_named_tensors": [encoded] * self.num_ranks,
+            "serialized_named_tensors": serialize_for_ranks(named_tensors, self.num_ranks),
             "flush_cache": flush_cache}, version), retry=False)
         if version is not None:
             self._weight_version = version

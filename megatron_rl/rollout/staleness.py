@@ -13,7 +13,10 @@ generating or waiting ahead of the trainer, and a group admitted at version a is
 trained at version a + k at the latest. Groups finish out of order (long generations are
 overtaken), so the bound is also checked when the trainer takes a group: one whose oldest token
 is older than v - k is not trained on; it is re-queued (its prompt is admitted again later and
-regenerated) or dropped, and counted. k = 0 is the synchronous on-policy baseline: step v + 1's
+regenerated) or dropped, and counted. Re-queueing is bounded: a prompt regenerated
+`max_requeues` times that goes stale once more (a generation that always outlasts k steps would
+be regenerated forever), or whose prompt No-Positive-Resampling has retired meanwhile, is
+dropped instead. k = 0 is the synchronous on-policy baseline: step v + 1's
 data starts generating only once version v is published, and every trained token has version v.
 `ppo_off_policy` (the paper's PPO-off-policy-k baseline) is the same gate with rounds: k x
 prompts_per_step groups are generated with one policy, the trainer waits for the whole round and
@@ -58,6 +61,7 @@ class StalenessSettings:
     # Requeue is the default: the groups that go stale are the slowest, i.e. the longest
     # generations, so dropping them would bias training towards short responses.
     stale_policy: Literal["requeue", "drop"] = "requeue"
+    max_requeues: int = 3  # regenerations of one stale prompt before it is dropped instead
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +71,7 @@ class StalenessSettings:
                              f"{self.stale_policy!r}")
         _require_int("max_off_policyness", self.max_off_policyness, minimum=0)
         _require_int("prompts_per_step", self.prompts_per_step, minimum=1)
+        _require_int("max_requeues", self.max_requeues, minimum=0)
         if self.mode == "ppo_off_policy" and self.max_off_policyness < 1:
             raise ValueError(
                 "max_off_policyness must be >= 1 with mode='ppo_off_policy' (it is the number "
@@ -77,11 +82,11 @@ class StalenessSettings:
     @classmethod
     def from_run_config(cls, run) -> "StalenessSettings":
         """From megatron_rl.config's RunConfig (rollout.mode, rollout.max_off_policyness,
-        rollout.stale_group_policy and the run's prompts_per_step)."""
+        rollout.stale_group_policy, rollout.max_requeues and the run's prompts_per_step)."""
         rollout = run.rollout
         return cls(mode=rollout.mode, max_off_policyness=rollout.max_off_policyness,
                    prompts_per_step=run.prompts_per_step,
-                   stale_policy=rollout.stale_group_policy)
+                   stale_policy=rollout.stale_group_policy, max_requeues=rollout.max_requeues)
 
     @property
     def max_outstanding_groups(self) -> int:
@@ -198,11 +203,16 @@ class AdmissionGate:
         """Whether a group whose oldest token has `oldest_version` is within the bound."""
         return oldest_version >= trainer_version - self.settings.max_off_policyness
 
-    def on_take(self, oldest_version: int, trainer_version: int) -> TakeDecision:
+    def on_take(self, oldest_version: int, trainer_version: int, *, times_requeued: int = 0,
+                retired: bool = False) -> TakeDecision:
         """Check and record one group taken by the trainer. `trainer_version` is the version of
         the weights the step it is taken for starts from (take for the next step only, not
-        ahead: a group taken at v but trained at v + 1 would be checked one step too young)."""
+        ahead: a group taken at v but trained at v + 1 would be checked one step too young).
+        A stale group is re-queued under the requeue policy unless its prompt was regenerated
+        `max_requeues` times already (`times_requeued`) or No-Positive-Resampling has retired
+        it (`retired`): then it is dropped."""
         self._observe(trainer_version)
+        _require_int("times_requeued", times_requeued, minimum=0)
         _require_int("oldest_version", oldest_version, minimum=0)
         if oldest_version > trainer_version:
             raise ValueError(
@@ -214,7 +224,8 @@ class AdmissionGate:
         if self.is_fresh(oldest_version, trainer_version):
             self._num_trained += 1
             return TakeDecision.FRESH
-        if self.settings.stale_policy == "requeue":
+        if self.settings.stale_policy == "requeue" and not retired \
+                and times_requeued < self.settings.max_requeues:
             self._num_requeued += 1
             return TakeDecision.REQUEUE
         self._num_dropped += 1

@@ -2,10 +2,12 @@
 
 Reads each path with `read_scaling_log` (one curve per task), fits the sigmoid of SCALERL.md
 section 1 to every curve and prints one table row per run and task (R0, A, B, C_mid with bootstrap
-intervals, points used). Optional: the extrapolation protocol (`--fit-fraction` / `--fit-budget`),
-the power law on the same points (`--power-law`), and the 0.02-rule comparison of every curve
-against the first (`--compare`). Writes curves.png and efficiency.png (and extrapolation.png) to
-`--out-dir`. Bad logs exit with status 2 and one line naming the problem.
+intervals, points used). Points below the warm-up compute are excluded: `--warmup-gpu-hours`,
+else the `eval.warmup_compute_gpu_hours` of the run directories' config.yaml (the recipe the run
+wrote), else 0; the run prints which. Optional: the extrapolation protocol (`--fit-fraction` /
+`--fit-budget`), the power law on the same points (`--power-law`), and the 0.02-rule comparison
+of every curve against the first (`--compare`). Writes curves.png and efficiency.png (and
+extrapolation.png) to `--out-dir`. Bad logs exit with status 2 and one line naming the problem.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from megatron_rl.console import print_table, report_console
 from megatron_rl.scaling.log import read_scaling_log
 from megatron_rl.scaling.powerlaw import PowerLawFit, fit_power_law
 from megatron_rl.scaling.report import (EQUAL_A_TOLERANCE, ExtrapolationReport, RecipeComparison,
@@ -34,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                              ".csv files (columns compute_gpu_hours,pass_rate[,task][,step])")
     parser.add_argument("--r0", type=float, default=None,
                         help="pass rate at C=0 for every curve; default: the step-0 point")
-    parser.add_argument("--warmup-gpu-hours", type=float, default=0.0,
-                        help="exclude points below this compute (paper: ~1500)")
+    parser.add_argument("--warmup-gpu-hours", type=float, default=None,
+                        help="exclude points below this compute (paper: ~1500); default: the "
+                             "run directories' config.yaml eval.warmup_compute_gpu_hours, else 0")
     parser.add_argument("--a-min", type=float, default=None,
                         help="lowest A on the grid; default: just above R0")
     parser.add_argument("--a-max", type=float, default=1.0, help="highest A on the grid")
@@ -74,31 +78,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    warmup, source = _warmup_gpu_hours(args.warmup_gpu_hours, args.paths)
     config = SigmoidFitConfig(
         a_min=args.a_min, a_max=args.a_max, a_step=args.a_step,
-        warmup_compute=args.warmup_gpu_hours, num_bootstrap=args.num_bootstrap,
+        warmup_compute=warmup, num_bootstrap=args.num_bootstrap,
         confidence=args.confidence, seed=args.seed)
     series = [s for path in args.paths for s in read_scaling_log(path).values()]
     console = _console()
+    console.print(f"warm-up: points below {_format(warmup, 'gpu_hours')} GPU-hours excluded "
+                  f"({source})")
     start = time.perf_counter()
     fits = [fit_series(s, r0=args.r0, config=config) for s in series]
     power_laws = [fit_power_law(s.compute_gpu_hours, s.pass_rate,
                                 warmup_compute=config.warmup_compute) if args.power_law else None
                   for s in series]
-    console.print(_fit_table(series, fits, power_laws, config))
+    print_table(console, _fit_table(series, fits, power_laws, config))
     reports: list[ExtrapolationReport] = []
     if args.fit_fraction is not None or args.fit_budget is not None:
         reports = [extrapolation_report(s, r0=args.r0, fit_budget=args.fit_budget,
                                         fit_fraction=args.fit_fraction or 0.5, config=config)
                    for s in series]
-        console.print(_extrapolation_table(reports))
+        print_table(console, _extrapolation_table(reports))
     if args.compare:
         if len(series) < 2:
             raise ValueError("--compare needs at least two curves")
         comparisons = [compare_recipes(series[0], other, r0_a=args.r0, r0_b=args.r0,
                                        config=config, fits=(fits[0], fit))
                        for other, fit in zip(series[1:], fits[1:])]
-        console.print(_comparison_table(comparisons))
+        print_table(console, _comparison_table(comparisons))
     console.print(f"fitted {len(series)} curve(s) in {time.perf_counter() - start:.2f} s")
     if not args.no_plots:
         for path in _write_plots(args, series, fits, power_laws, reports, config):
@@ -106,10 +113,39 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warmup_gpu_hours(flag: float | None, paths: list[str]) -> tuple[float, str]:
+    """The warm-up compute to exclude and where it came from: the flag, else the
+    eval.warmup_compute_gpu_hours of the run directories' config.yaml (which must agree), else
+    0."""
+    if flag is not None:
+        return flag, "--warmup-gpu-hours"
+    from megatron_rl.config import ConfigError, load_config
+
+    found: dict[float, list[Path]] = {}
+    for path in map(Path, paths):
+        recipe = path / "config.yaml"
+        if not recipe.is_file():
+            continue
+        try:
+            value = load_config(recipe).eval.warmup_compute_gpu_hours
+        except ConfigError as err:
+            raise ValueError(f"{recipe}: {err}; pass --warmup-gpu-hours to fit without "
+                             "reading it") from None
+        found.setdefault(value, []).append(recipe)
+    if not found:
+        return 0.0, "default: no run directory with a config.yaml"
+    if len(found) > 1:
+        listed = ", ".join(f"{recipes[0]}: {value:g}" for value, recipes in found.items())
+        raise ValueError(f"the runs' eval.warmup_compute_gpu_hours differ ({listed}); curves "
+                         "are fitted with one warm-up: pass --warmup-gpu-hours")
+    ((value, recipes),) = found.items()
+    where = str(recipes[0]) if len(recipes) == 1 else f"{len(recipes)} runs' config.yaml"
+    return value, f"eval.warmup_compute_gpu_hours of {where}"
+
+
 def _console() -> Console:
-    # Piped output (CI logs, tests) must not wrap table rows at rich's default 80 columns.
-    probe = Console()
-    return probe if probe.is_terminal else Console(width=200)
+    # Piped output (CI logs, tests): tables at full width, lines unwrapped (print_table).
+    return report_console()
 
 
 def _with_ci(value: float, ci: tuple[float, float] | None, fmt: str) -> str:

@@ -15,7 +15,14 @@ Trainer rank (Megatron, distributed optimizer, grads reduced in FP32 as the trai
   sequence, packed) saves for the backward, per layer by component, times the micro-batches a
   1F1B pipeline stage holds (PP on the first stage), with the recompute setting
   (train.recompute_granularity); plus the LM-head stage's FP32 chunked log-prob buffers and an
-  FP32 copy and gradient of the head weight (megatron_rl/ops/logprobs.py).
+  FP32 copy and gradient of the head weight (megatron_rl/ops/logprobs.py). The experts'
+  activations are those of the busiest expert-parallel rank: the balanced share of routed tokens
+  times train.moe_routing_imbalance (no token is dropped, so skewed routing lands somewhere).
+- weight sync: the plan is of each stage's sender (its lowest rank), which keeps two bucket
+  buffers of the largest bucket and the scratch Arena of gathered tensors between syncs, planned
+  with the weight sync's own code (`sender_sync_memory`: the family's mapping packed by
+  weight_sync/plan.py); during a sync the activations are freed and to_hf allocates the fused
+  experts' torch.stack, so the rank's peak is the larger of the step and the sync.
 Generator (one SGLang engine of rollout.tp_size devices, experts split over ep_size): weights in
 the generator dtype split over the engine's devices, the KV cache of `concurrency` sequences of
 rollout.max_sequence_tokens, and the FP32 logits of a decode batch (enable_fp32_lm_head). SGLang
@@ -202,8 +209,14 @@ class TrainerLayout:
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class RankParameter:
     name: str
-    numel: int
+    shape: tuple[int, ...]  # on this rank (Megatron's [out, in] for linear weights)
     is_expert: bool
+    # The dim Megatron splits over TP (ETP for experts); None: replicated (norms, router).
+    partition_dim: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 def _split(value: int, parts: int, what: str) -> int:
@@ -215,17 +228,21 @@ def _split(value: int, parts: int, what: str) -> int:
 def rank_parameters(arch: Architecture, layout: TrainerLayout, *,
                     pp_rank: int) -> list[RankParameter]:
     """This pipeline stage's parameters on one rank, in Megatron's registration order (local
-    spec). Tensor-parallel splits are exact (Megatron requires divisibility)."""
+    spec), with local layer and expert numbers. Tensor-parallel splits are exact (Megatron
+    requires divisibility). At TP1 / EP1 / PP1 these are the full tensors under the global names
+    the weight sync speaks (weight_sync/gather.py)."""
     tp, etp, h = layout.tp, layout.etp, arch.hidden_size
     num_layers = _split(arch.num_layers, layout.pp, "num_layers over pipeline stages")
     params: list[RankParameter] = []
 
-    def add(name: str, numel: int, is_expert: bool = False) -> None:
-        params.append(RankParameter(name=name, numel=numel, is_expert=is_expert))
+    def add(name: str, shape: tuple[int, ...], partition_dim: int | None = None,
+            is_expert: bool = False) -> None:
+        params.append(RankParameter(name=name, shape=shape, is_expert=is_expert,
+                                    partition_dim=partition_dim))
 
     vocab = _split(arch.vocab_size, tp, "vocab_size over TP")
     if pp_rank == 0:
-        add("embedding.word_embeddings.weight", vocab * h)
+        add("embedding.word_embeddings.weight", (vocab, h), 0)
     heads = _split(arch.num_attention_heads, tp, "attention heads over TP")
     groups = _split(arch.num_query_groups, tp, "query groups over TP")
     d = arch.head_dim
@@ -234,31 +251,32 @@ def rank_parameters(arch: Architecture, layout: TrainerLayout, *,
     for i in range(num_layers):
         index = pp_rank * num_layers + i
         prefix = f"decoder.layers.{i}."
-        add(prefix + "input_layernorm.weight", h)
-        add(prefix + "self_attention.linear_proj.weight", h * heads * d)
-        add(prefix + "self_attention.linear_qkv.weight", (heads + 2 * groups) * d * h)
+        add(prefix + "input_layernorm.weight", (h,))
+        add(prefix + "self_attention.linear_proj.weight", (h, heads * d), 1)
+        add(prefix + "self_attention.linear_qkv.weight", ((heads + 2 * groups) * d, h), 0)
         if arch.qk_norm_weights:
-            add(prefix + "self_attention.q_layernorm.weight", d)
-            add(prefix + "self_attention.k_layernorm.weight", d)
-        add(prefix + "pre_mlp_layernorm.weight", h)
+            add(prefix + "self_attention.q_layernorm.weight", (d,))
+            add(prefix + "self_attention.k_layernorm.weight", (d,))
+        add(prefix + "pre_mlp_layernorm.weight", (h,))
         if arch.is_moe_layer(index):
-            add(prefix + "mlp.router.weight", arch.num_experts * h)
+            add(prefix + "mlp.router.weight", (arch.num_experts, h))
             width = _split(arch.moe_ffn_hidden_size, etp, "expert width over ETP")
             for j in range(local_experts):
-                add(prefix + f"mlp.experts.local_experts.{j}.linear_fc1.weight", 2 * width * h,
+                add(prefix + f"mlp.experts.local_experts.{j}.linear_fc1.weight", (2 * width, h),
+                    0, True)
+                add(prefix + f"mlp.experts.local_experts.{j}.linear_fc2.weight", (h, width), 1,
                     True)
-                add(prefix + f"mlp.experts.local_experts.{j}.linear_fc2.weight", h * width, True)
             if arch.shared_expert_size:
                 width = _split(arch.shared_expert_size, tp, "shared expert width over TP")
-                add(prefix + "mlp.shared_experts.linear_fc1.weight", 2 * width * h)
-                add(prefix + "mlp.shared_experts.linear_fc2.weight", h * width)
+                add(prefix + "mlp.shared_experts.linear_fc1.weight", (2 * width, h), 0)
+                add(prefix + "mlp.shared_experts.linear_fc2.weight", (h, width), 1)
         else:
             width = _split(arch.ffn_hidden_size, tp, "ffn_hidden_size over TP")
-            add(prefix + "mlp.linear_fc1.weight", 2 * width * h)
-            add(prefix + "mlp.linear_fc2.weight", h * width)
+            add(prefix + "mlp.linear_fc1.weight", (2 * width, h), 0)
+            add(prefix + "mlp.linear_fc2.weight", (h, width), 1)
     if pp_rank == layout.pp - 1:
-        add("decoder.final_layernorm.weight", h)
-        add("output_layer.weight", vocab * h)
+        add("decoder.final_layernorm.weight", (h,))
+        add("output_layer.weight", (vocab, h), 0)
     return params
 
 
@@ -321,13 +339,17 @@ class ActivationSettings:
     fused_swiglu: bool = True  # TE/fused SwiGLU keeps fc1's output only
     logprob_chunk_size: int = 1024
     fp32_lm_head: bool = True
+    # Tokens the busiest expert-parallel rank's experts receive over the balanced share
+    # (train.moe_routing_imbalance): nothing is dropped, so skewed routing grows that rank.
+    routing_imbalance: float = 1.0
 
 
 def layer_activation_bytes(arch: Architecture, layout: TrainerLayout, act: ActivationSettings,
                            *, moe: bool, chunked: bool = False) -> dict[str, float]:
     """Bytes one layer saves for the backward for one micro-batch, by component, without
     recompute. Elements per token, TP-split where Megatron splits them; tensors Megatron keeps
-    sequence-sharded under SP divided by TP. Assumes balanced routing."""
+    sequence-sharded under SP divided by TP. The experts' tokens are the balanced share times
+    act.routing_imbalance (the busiest rank)."""
     e, h, d = act.dtype_bytes, arch.hidden_size, arch.head_dim
     tp, s = layout.tp, act.tokens / layout.cp
     seq = s / tp if layout.sequence_parallel else s  # norms, linear inputs under SP
@@ -358,7 +380,8 @@ def layer_activation_bytes(arch: Architecture, layout: TrainerLayout, act: Activ
     out["norms + linear inputs"] += 2 * seq * h * e  # pre-MLP norm input and output
     glu = 3 if act.fused_swiglu else 4
     if moe:
-        routed = seq * arch.moe_router_topk * layout.etp  # tokens this rank's experts see
+        # Tokens this rank's experts see: the balanced share, times the imbalance.
+        routed = seq * arch.moe_router_topk * layout.etp * act.routing_imbalance
         width = arch.moe_ffn_hidden_size / layout.etp
         out["router"] = seq * arch.num_experts * 4 * 2  # FP32 logits and scores
         out["experts"] = routed * (2 * h + glu * width) * e
@@ -418,24 +441,151 @@ def lm_head_bytes(arch: Architecture, layout: TrainerLayout, act: ActivationSett
 
 
 # --------------------------------------------------------------------------------------------
+# Weight sync: what the sender of each pipeline stage holds
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class SenderSyncMemory:
+    """Weight-sync memory on the sender of one pipeline stage (its lowest rank), in bytes, as
+    megatron_rl/weight_sync allocates it. `buffers` and `gathered` stay allocated between syncs,
+    so they sit on top of a training step's peak; `conversion` exists only during a sync, when
+    the step's activations are gone."""
+
+    num_buckets: int
+    largest_bucket: int  # bytes of the largest planned bucket, in the generators' dtype
+    buffers: int  # WeightSync._bucket_buffers: two of the largest bucket (fill one, send one)
+    gathered: int  # the Arena, grown to the largest bucket's tensors gathered outside the bucket
+    conversion: int  # the largest group's tensors that to_hf allocates (torch.stack of experts)
+
+    @property
+    def kept(self) -> int:
+        return self.buffers + self.gathered
+
+
+def stage_parameter_names(arch: Architecture, layout: TrainerLayout, pp_rank: int) -> set[str]:
+    """The global (TP1/EP1/PP1) names of pipeline stage `pp_rank`'s parameters."""
+    per_stage = _split(arch.num_layers, layout.pp, "num_layers over pipeline stages")
+    first, last = pp_rank * per_stage, (pp_rank + 1) * per_stage
+    names = set()
+    for param in rank_parameters(arch, TrainerLayout(), pp_rank=0):
+        match = re.match(r"decoder\.layers\.(\d+)\.", param.name)
+        if match:
+            if first <= int(match[1]) < last:
+                names.add(param.name)
+        elif param.name == "embedding.word_embeddings.weight":
+            if pp_rank == 0:
+                names.add(param.name)
+        elif pp_rank == layout.pp - 1:  # final norm, output layer
+            names.add(param.name)
+    return names
+
+
+def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Sequence, *,
+                       pp_rank: int, bucket_bytes: int, params_dtype: str,
+                       generator_dtype: str) -> SenderSyncMemory:
+    """The weight sync of stage `pp_rank` planned as WeightSync plans it: the family's mapping
+    groups whose Megatron tensors the stage holds, packed by weight_sync.plan.plan_buckets (on
+    meta tensors). Per bucket the sender gathers into the Arena every tensor it does not hold
+    whole (TP / ETP shards, other expert-parallel ranks' experts) unless the tensor is gathered
+    straight into its bucket slot (`in_place`), plus scratch for the shards it receives along
+    dim 1 (strided places); the Arena keeps the largest bucket's need. Then each group's to_hf
+    runs; what it allocates (not views: Llama-4's torch.stack of the fused experts) is copied
+    into the bucket and freed. The sender holds expert-parallel rank 0's experts and TP rank 0's
+    shards."""
+    import torch
+
+    from megatron_rl.weight_sync.gather import Arena
+    from megatron_rl.weight_sync.plan import plan_buckets
+
+    full = {p.name: p for p in rank_parameters(arch, TrainerLayout(), pp_rank=0)}
+    stage = stage_parameter_names(arch, layout, pp_rank)
+    groups = [g for g in mapping if g.megatron_names and set(g.megatron_names) <= stage]
+    dtype = getattr(torch, params_dtype)
+    element = DTYPE_BYTES[params_dtype]
+
+    def meta(name: str) -> torch.Tensor:
+        return torch.empty(full[name].shape, dtype=dtype, device="meta")
+
+    buckets = plan_buckets(groups, meta, bucket_bytes=bucket_bytes,
+                           dtype=getattr(torch, generator_dtype))
+    if not buckets:
+        return SenderSyncMemory(num_buckets=0, largest_bucket=0, buffers=0, gathered=0,
+                                conversion=0)
+    local_experts = arch.num_experts // layout.ep if arch.num_experts else 0
+
+    def aligned(num_bytes: int) -> int:
+        return -(-num_bytes // Arena.ALIGN) * Arena.ALIGN
+
+    gathered = 0
+    for bucket in buckets:
+        in_place = set(bucket.in_place.values())
+        need = 0
+        for name in bucket.megatron_names:
+            param = full[name]
+            shards = (layout.etp if param.is_expert else layout.tp) \
+                if param.partition_dim is not None else 1
+            expert = re.search(r"local_experts\.(\d+)\.", name)
+            held = expert is None or int(expert[1]) < local_experts
+            num_bytes = param.numel * element
+            if shards == 1 and held:
+                continue  # the sender's own parameter, used where it is
+            if name not in in_place:
+                need += aligned(num_bytes)
+            if shards > 1 and param.partition_dim != 0:
+                need += (shards - 1 if held else shards) * aligned(num_bytes // shards)
+        gathered = max(gathered, need)
+    conversion = 0
+    for group in groups:
+        inputs = {name: meta(name) for name in group.megatron_names}
+        # New tensors only: an input returned as it is, or a view of one (_base set), is free.
+        allocated = [t for t in group.to_hf(inputs).values()
+                     if t._base is None and not any(t is x for x in inputs.values())]
+        conversion = max(conversion, sum(t.numel() * element for t in allocated))
+    largest = max(bucket.num_bytes for bucket in buckets)
+    return SenderSyncMemory(num_buckets=len(buckets), largest_bucket=largest,
+                            buffers=min(2, len(buckets)) * largest, gathered=gathered,
+                            conversion=conversion)
+
+
+def family_mapping(name: str, size: str) -> list:
+    """The family's HF <-> Megatron mapping for `size`: the groups the weight sync sends."""
+    from models import get_model_family, model_family_for_hf_config
+
+    return model_family_for_hf_config(get_model_family(name).hf_config(size)).weight_groups()
+
+
+# --------------------------------------------------------------------------------------------
 # The plan
 # --------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class TrainerPlan:
     layout: TrainerLayout
-    pp_rank: int  # the stage with the largest total
-    components: dict[str, float]  # bytes per rank
+    pp_rank: int  # the stage with the largest peak
+    components: dict[str, float]  # bytes per rank (the stage's weight-sync sender)
     buffers: dict[str, BufferPlan]
     capacity: float
+    sync: SenderSyncMemory | None = None
 
     @property
     def total(self) -> float:
+        """The training step's peak (with the weight-sync memory kept between syncs)."""
         return sum(self.components.values())
 
     @property
+    def sync_peak(self) -> float:
+        """During a weight sync: the step's activations are freed, the conversion's tensors
+        are allocated."""
+        activations = sum(v for k, v in self.components.items() if k.startswith("act: "))
+        return self.total - activations + (self.sync.conversion if self.sync else 0)
+
+    @property
+    def peak(self) -> float:
+        return max(self.total, self.sync_peak)
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.capacity
+        return self.peak <= self.capacity
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -478,8 +628,10 @@ class MemoryPlan:
 def plan_trainer(arch: Architecture, layout: TrainerLayout, act: ActivationSettings, *,
                  hardware: Accelerator, params_dtype_bytes: int, fp8: bool = False,
                  distributed_optimizer: bool = True,
-                 reserved_gib: float = DEFAULT_RESERVED_GIB) -> TrainerPlan:
-    """Per-rank memory of the worst pipeline stage (the one with the largest total)."""
+                 reserved_gib: float = DEFAULT_RESERVED_GIB,
+                 sync: Sequence[SenderSyncMemory] = ()) -> TrainerPlan:
+    """Per-rank memory of the worst pipeline stage (the one with the largest peak), on the
+    stage's weight-sync sender: `sync[pp_rank]` (sender_sync_memory; empty: no weight sync)."""
     best: TrainerPlan | None = None
     main_copy = 0 if params_dtype_bytes == 4 else 4
     for pp_rank in range(layout.pp):
@@ -502,10 +654,14 @@ def plan_trainer(arch: Architecture, layout: TrainerLayout, act: ActivationSetti
             for name, value in lm_head_bytes(arch, layout, act,
                                              params_dtype_bytes=params_dtype_bytes).items():
                 components[f"act: {name}"] = value
+        stage_sync = sync[pp_rank] if sync else None
+        if stage_sync is not None:
+            components["weight sync: bucket buffers"] = stage_sync.buffers
+            components["weight sync: gathered tensors"] = stage_sync.gathered
         components["reserved (CUDA, NCCL, fragmentation)"] = reserved_gib * GIB
         plan = TrainerPlan(layout=layout, pp_rank=pp_rank, components=components,
-                           buffers=buffers, capacity=hardware.memory_bytes)
-        if best is None or plan.total > best.total:
+                           buffers=buffers, capacity=hardware.memory_bytes, sync=stage_sync)
+        if best is None or plan.peak > best.peak:
             best = plan
     assert best is not None
     return best
@@ -549,22 +705,31 @@ def default_concurrency(run: Any) -> int:
 
 def plan_run(run: Any, *, hardware: str, concurrency: int | None = None,
              reserved_gib: float = DEFAULT_RESERVED_GIB,
-             architecture: Architecture | None = None) -> MemoryPlan:
-    """The memory plan of a RunConfig on `hardware` (a name of the shared hardware table)."""
+             architecture: Architecture | None = None,
+             mapping: Sequence | None = None) -> MemoryPlan:
+    """The memory plan of a RunConfig on `hardware` (a name of the shared hardware table).
+    `architecture` / `mapping` (the weight sync's groups): None reads them from the family."""
     accelerator = get_hardware(hardware)
     arch = architecture or Architecture.from_family(run.model.name, run.model.size)
+    if mapping is None:
+        mapping = family_mapping(run.model.name, run.model.size)
     layout = TrainerLayout.from_config(run.parallelism)
     te = run.model.use_transformer_engine
     params_bytes = DTYPE_BYTES[run.model.params_dtype]
     act = ActivationSettings(tokens=run.train.micro_batch_max_tokens, dtype_bytes=params_bytes,
                              recompute=run.train.recompute_granularity, flash_attention=te,
-                             fused_swiglu=te, fp32_lm_head=run.model.fp32_lm_head)
+                             fused_swiglu=te, fp32_lm_head=run.model.fp32_lm_head,
+                             routing_imbalance=run.train.moe_routing_imbalance)
+    rollout = run.rollout
+    gen_dtype = run.model.params_dtype if rollout.dtype == "auto" else rollout.dtype
+    sync = [sender_sync_memory(arch, layout, mapping, pp_rank=pp_rank,
+                               bucket_bytes=run.weight_sync.bucket_mb * 2**20,
+                               params_dtype=run.model.params_dtype, generator_dtype=gen_dtype)
+            for pp_rank in range(layout.pp)]
     trainer = plan_trainer(arch, layout, act, hardware=accelerator,
                            params_dtype_bytes=params_bytes, fp8=run.model.fp8 is not None,
                            distributed_optimizer=run.optimizer.use_distributed_optimizer,
-                           reserved_gib=reserved_gib)
-    rollout = run.rollout
-    gen_dtype = run.model.params_dtype if rollout.dtype == "auto" else rollout.dtype
+                           reserved_gib=reserved_gib, sync=sync)
     mem_fraction = rollout.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
     generator = plan_generator(
         arch, hardware=accelerator, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
@@ -640,6 +805,11 @@ def _gib(value: float) -> str:
     return f"{value / GIB:,.1f}"
 
 
+def _size(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:,.1f} GiB" if num_bytes >= 0.1 * GIB else \
+        f"{num_bytes / 2**20:,.0f} MiB"
+
+
 def plan_rows(plan: MemoryPlan) -> list[tuple[str, str, str]]:
     """(component, GiB per device, note) rows; section headers have an empty value."""
     t, g, lay = plan.trainer, plan.generator, plan.trainer.layout
@@ -653,8 +823,18 @@ def plan_rows(plan: MemoryPlan) -> list[tuple[str, str, str]]:
             note = (f"sharded over DP x CP = {lay.dense_shards}"
                     + (f" (experts: {lay.expert_dp})" if "expert" in t.buffers else ""))
         rows.append((name, _gib(value), note))
-    rows.append(("total", _gib(t.total), f"{t.total / cap:.0%} of {_gib(cap)} GiB: "
-                 + ("fits" if t.fits else "DOES NOT FIT")))
+    if t.sync is not None:
+        rows.append(("total", _gib(t.total), f"{t.total / cap:.0%} of {_gib(cap)} GiB in a "
+                     "training step"))
+        rows.append(("peak during a weight sync", _gib(t.sync_peak),
+                     f"activations freed; to_hf allocates {_size(t.sync.conversion)} "
+                     f"(largest bucket {_size(t.sync.largest_bucket)}, "
+                     f"{t.sync.num_buckets} buckets)"))
+        rows.append(("peak", _gib(t.peak), f"{t.peak / cap:.0%} of {_gib(cap)} GiB: "
+                     + ("fits" if t.fits else "DOES NOT FIT")))
+    else:
+        rows.append(("total", _gib(t.total), f"{t.total / cap:.0%} of {_gib(cap)} GiB: "
+                     + ("fits" if t.fits else "DOES NOT FIT")))
     rows.append((f"generator device (engine of {g.devices} GPUs)", "", ""))
     for name, value in g.components.items():
         note = f"{g.concurrency} sequences" if name == "KV cache" else ""

@@ -18,16 +18,34 @@ cut into 2c chunks, rank r keeping chunks r and 2c-1-r, the layout megatron-core
 Transformer Engine's CP attention assume (megatron.core.utils.get_batch_on_this_cp_rank).
 Targets, masks and old log-probs travel with their positions, so the loss head and the loss are
 computed on local positions only.
+
+FP8 (Transformer Engine, GPU) needs each rank's token count divisible by 8 / 16 (delayed and
+current scaling) or 32 (MXFP8); `sequence_pad_multiple` then pads every rank's slice of a sequence
+to a multiple of 128. Padding positions are marked in `padding_mask` and carry no loss, so they
+count in no statistic, and a lock-step `padding_micro_batch` counts in none either.
+
+Micro-batches are built on the host; `MicroBatch.to(device)` moves one to the model's device
+(trainer/step.py does, right before its forward).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
 
 from megatron_rl.ops.context_parallel import load_balanced_positions
+
+# Tokens each rank's slice of a padded sequence is a multiple of when FP8 is on. Transformer
+# Engine's FP8 GEMMs need the token count (the product of all but the last input dim) divisible
+# by 8 in the forward (transformer_engine.pytorch.utils.assert_dim_for_fp8_exec) and by 16 once
+# tokens are the contraction dimension of the weight-gradient GEMM (megatron-core 0.19.2
+# fp8_utils.get_fp8_align_size), and by 32 for MXFP8 (MXFP8Quantizer.is_quantizable: 32-element
+# scaling blocks). 128 covers all of these and TE's 128-wide blockwise tiles; slime pads to
+# TP x 128 likewise.
+FP8_TOKEN_ALIGNMENT = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -167,6 +185,10 @@ class MicroBatch:
     # which trainer/routing_replay.py replaces by a valid dummy); None: no routing carried.
     routed_experts: torch.Tensor | None = None
     entropy: torch.Tensor | None = None  # [num_loss_tokens] set by the forward pass (a metric)
+    # A lock-step micro-batch of a rank with less data (padding_micro_batch): routed like real
+    # tokens (an all-padding micro-batch would leave MoE load-balancing normalisers at 0) but
+    # counted in no statistic.
+    is_padding: bool = False
 
     @property
     def num_loss_tokens(self) -> int:
@@ -174,7 +196,24 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        return int((~self.padding_mask).sum())
+        """Real (non-padding) positions: the step's num_tokens statistic."""
+        return 0 if self.is_padding else int((~self.padding_mask).sum())
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """This micro-batch with every tensor on `device` (itself when all are there already).
+        Host-to-GPU copies go through pinned memory without blocking the host, so the forward's
+        kernels queue behind them."""
+        device = torch.device(device)
+        moved = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor) and value.device != device:
+                if device.type == "cuda" and value.device.type == "cpu":
+                    value = value.pin_memory().to(device, non_blocking=True)
+                else:
+                    value = value.to(device)
+                moved[field.name] = value
+        return dataclasses.replace(self, **moved) if moved else self
 
 
 def shard_for_data_parallel(batch: TrainBatch, dp_rank: int, dp_size: int) -> list[int]:
@@ -223,8 +262,9 @@ def pack_micro_batches(batch: TrainBatch, indices: Sequence[int], *, max_tokens:
 
 
 def padding_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
-    """A micro-batch with no loss tokens: keeps ranks with less data in lock-step with the others
-    (expert-parallel all-to-alls need every rank of the group in each forward)."""
+    """A micro-batch with no loss tokens and no counted tokens: keeps ranks with less data in
+    lock-step with the others (expert-parallel all-to-alls need every rank of the group in each
+    forward)."""
     length = _padded_length(1, pad_to_multiple)
     zeros = torch.zeros(1, length, dtype=torch.int64)
     return MicroBatch(
@@ -232,7 +272,27 @@ def padding_micro_batch(pad_to_multiple: int = 1) -> MicroBatch:
         loss_mask=torch.zeros(1, length, dtype=torch.bool),
         old_logprobs=torch.zeros(1, length), advantages=torch.zeros(1, length),
         sample_index=zeros.clone(), prompt_index=zeros.clone(),
-        padding_mask=torch.zeros(1, length, dtype=torch.bool))
+        padding_mask=torch.zeros(1, length, dtype=torch.bool), is_padding=True)
+
+
+def sequence_pad_multiple(*, tensor_parallel_size: int = 1, context_parallel_size: int = 1,
+                          fp8_recipe: str | None = None) -> int:
+    """The multiple every micro-batch's padded length is rounded up to.
+
+    `tensor_parallel_size`: the TP size when sequence parallelism splits the sequence over the TP
+    ranks, else 1. Context parallelism cuts a sequence into 2 * CP load-balanced chunks (each
+    rank's then split over TP). With an FP8 recipe (`fp8_recipe` not None) each rank's slice,
+    length / (TP x CP), is also a multiple of FP8_TOKEN_ALIGNMENT, so every rank's token count
+    suits Transformer Engine's FP8 GEMMs whatever the number of rows.
+    """
+    if tensor_parallel_size < 1 or context_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} and context_parallel_size "
+                         f"{context_parallel_size} must be >= 1")
+    split = tensor_parallel_size * context_parallel_size  # ranks one sequence is spread over
+    multiple = split * (2 if context_parallel_size > 1 else 1)
+    if fp8_recipe is not None:
+        multiple = math.lcm(multiple, split * FP8_TOKEN_ALIGNMENT)
+    return multiple
 
 
 def split_for_context_parallel(micro_batch: MicroBatch, cp_rank: int,
@@ -248,7 +308,8 @@ def split_for_context_parallel(micro_batch: MicroBatch, cp_rank: int,
                          "set); split it before the forward pass")
     keep = load_balanced_positions(micro_batch.input_ids.shape[1], cp_rank, cp_size)
     fields = {f.name: getattr(micro_batch, f.name) for f in dataclasses.fields(MicroBatch)}
-    return MicroBatch(**{name: None if value is None else value.index_select(1, keep)
+    return MicroBatch(**{name: value.index_select(1, keep)
+                         if isinstance(value, torch.Tensor) else value
                          for name, value in fields.items()})
 
 

@@ -2,10 +2,11 @@
 mixed precision and Megatron DDP, configured for the RL loss.
 
 `precision_overrides(...)` is the one place that turns the run's precision choice (fp32 / bf16,
-optional Transformer Engine FP8 with the delayed or current-scaling recipe) into TransformerConfig
-fields and the layer-spec choice (TE on GPU, local on CPU); it is pure, so the selection is
-unit-tested without a GPU. `build_model(...)` asks the family for its TransformerConfig with the
-layout and trainer overrides, builds this pipeline stage's GPTModel, and wraps it. Loss scaling:
+optional Transformer Engine FP8: delayed, current-scaling or MXFP8 recipe, whose TransformerConfig
+fields `fp8_fields` names) into TransformerConfig fields and the layer-spec choice (TE on GPU,
+local on CPU); it is pure, so the selection is unit-tested without a GPU. `build_model(...)` asks
+the family for its TransformerConfig with the layout and trainer overrides, builds this pipeline
+stage's GPTModel, and wraps it. Loss scaling:
 `calculate_per_token_loss=True` makes Megatron neither divide the loss by the number of
 micro-batches nor average gradients over data-parallel ranks, and `_finalize_grads_unscaled`
 drops its final 1/num_tokens scaling: our loss already carries the global aggregation
@@ -21,15 +22,9 @@ import torch
 
 from megatron_rl.platform import activate_cpu_compat, has_transformer_engine
 from megatron_rl.trainer.parallel import ParallelGroups, ParallelLayout
+from models.fp8 import FP8_FORMATS, FP8_RECIPES, fp8_fields  # noqa: F401 (re-exported)
 
 PRECISIONS = ("fp32", "bf16")
-FP8_FORMATS = ("e4m3", "hybrid")
-# "current" is Transformer Engine's name for Megatron's per-tensor current scaling ("tensorwise");
-# "mxfp8" is Blackwell's block scaling, e4m3 everywhere (its block scales cover the gradients).
-FP8_RECIPES = {"delayed": "delayed", "current": "tensorwise", "tensorwise": "tensorwise",
-               "mxfp8": "mxfp8"}
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PrecisionChoice:
     use_transformer_engine: bool
@@ -41,9 +36,10 @@ def precision_overrides(precision: str = "fp32", *, fp8_recipe: str | None = Non
                         transformer_engine_available: bool | None = None) -> PrecisionChoice:
     """TransformerConfig fields and layer-spec backend for a precision choice.
 
-    `fp8_recipe` None = no FP8; "delayed" or "current" (per-tensor current scaling, Megatron's
-    "tensorwise"). FP8 needs Transformer Engine (GPU); asking for it without TE is an error, never
-    a silent fallback. `use_transformer_engine` None = use TE whenever it is available.
+    `fp8_recipe` None = no FP8; else a key of FP8_RECIPES ("delayed", "current": per-tensor
+    current scaling, Megatron's "tensorwise", "mxfp8"). FP8 needs Transformer Engine (GPU); asking
+    for it without TE is an error, never a silent fallback. `use_transformer_engine` None = use TE
+    whenever it is available.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not supported; choose one of {PRECISIONS}")
@@ -58,12 +54,7 @@ def precision_overrides(precision: str = "fp32", *, fp8_recipe: str | None = Non
     overrides: dict[str, Any] = {"bf16": precision == "bf16", "params_dtype": dtype,
                                  "pipeline_dtype": dtype}
     if fp8_recipe is not None:
-        if fp8_recipe not in FP8_RECIPES:
-            raise ValueError(f"fp8 recipe {fp8_recipe!r} is not supported; choose one of "
-                             f"{tuple(FP8_RECIPES)} or None")
-        if fp8_format not in FP8_FORMATS:
-            raise ValueError(f"fp8 format {fp8_format!r} is not supported; choose one of "
-                             f"{FP8_FORMATS}")
+        fields = fp8_fields(fp8_recipe, fp8_format)
         if not te:
             raise RuntimeError(
                 f"FP8 ({fp8_recipe} scaling) needs Transformer Engine on a CUDA GPU, and this "
@@ -72,8 +63,7 @@ def precision_overrides(precision: str = "fp32", *, fp8_recipe: str | None = Non
         if precision != "bf16":
             raise ValueError("FP8 runs on top of bf16 parameters; set precision='bf16' "
                              "(model.params_dtype=bfloat16)")
-        overrides.update(fp8="e4m3" if fp8_recipe == "mxfp8" else fp8_format,
-                         fp8_recipe=FP8_RECIPES[fp8_recipe])
+        overrides.update(fields)
     return PrecisionChoice(use_transformer_engine=te, overrides=overrides)
 
 

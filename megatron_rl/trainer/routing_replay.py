@@ -148,7 +148,7 @@ class RoutingReplay:
         table = micro_batch.routed_experts
         if table is None:
             valid = torch.zeros_like(valid)
-            table = torch.zeros(rows, length, self.width, dtype=torch.int64)
+            table = torch.zeros(rows, length, self.width, dtype=torch.int64, device=valid.device)
         elif table.shape != (rows, length, self.width):
             raise ValueError(
                 f"routing replay: expert table {tuple(table.shape)}, expected [{rows}, {length}, "
@@ -162,7 +162,7 @@ class RoutingReplay:
             valid = valid[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]
         table = table.reshape(-1, self.num_layers, self.top_k).long()  # [tokens, layers, k]
         valid = valid.reshape(-1)
-        dummy = torch.arange(self.top_k).expand(table.shape[0], -1)
+        dummy = torch.arange(self.top_k, device=table.device).expand(table.shape[0], -1)
         for router in self.routers:
             layer = router.layer_number - 1
             ids = table[:, layer]

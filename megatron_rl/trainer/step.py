@@ -33,7 +33,10 @@ attention on GPU; the all-gather / reduce-scatter of models/sdpa_attention.py on
 rank's parameter gradient is its share of the CP 1 gradient, and Megatron DDP, which reduces
 dense gradients over data parallel WITH context parallel, sums them (with
 calculate_per_token_loss it neither averages over dp x cp nor multiplies the loss by CP): no
-rescaling is needed. The statistics are summed over the same dp x cp group.
+rescaling is needed. The statistics are summed over the same dp x cp group. GSPO's sequence
+ratio is the one non-local quantity: each completion's log-ratio sum is all-reduced over that
+group before the loss (`_gspo_sequence_log_ratio`), so every slice uses the whole completion's
+ratio.
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_rl import platform
+from megatron_rl.platform import collective_device
 from megatron_rl.trainer.batch import MicroBatch
 from megatron_rl.trainer.parallel import ParallelGroups
 
@@ -108,15 +113,17 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
     finally:
         if replay is not None:
             replay.clear()
-    flips = torch.zeros(2, dtype=torch.float64)
+    # Reduced tensors live on the collective device (NCCL refuses CPU tensors).
+    flips = torch.zeros(2, dtype=torch.float64, device=collective_device())
     if replay is not None:
         count = replay.take_flip_count()
-        flips += torch.tensor([count.num_flips, count.num_decisions], dtype=torch.float64)
+        flips += torch.tensor([count.num_flips, count.num_decisions], dtype=torch.float64,
+                              device=collective_device())
         # Every (token, layer) decision lives on one rank: TP ranks hold different sequence
         # slices, pipeline stages different layers, data-parallel ranks different tokens.
         torch.distributed.all_reduce(flips)
-    stats = torch.zeros(len(_STATS), dtype=torch.float64)
-    largest = torch.zeros(1, dtype=torch.float64)
+    stats = torch.zeros(len(_STATS), dtype=torch.float64, device=collective_device())
+    largest = torch.zeros(1, dtype=torch.float64, device=collective_device())
     for out in outputs:  # only the last pipeline stage has outputs
         stats += out["stats"]
         largest = torch.maximum(largest, out["abs_logp_diff_max"])
@@ -138,7 +145,8 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
 
 def _forward_step(data_iterator, model, *, groups, denominators, settings, temperature,
                   fp32_lm_head=True, routing_replay=None, replay_mode=None):
-    micro_batch: MicroBatch = next(data_iterator)
+    # The one place micro-batches (built on the host) move to the model's device.
+    micro_batch: MicroBatch = next(data_iterator).to(platform.device())
     if routing_replay is not None:
         routing_replay.install(micro_batch, replay_mode)
     head = functools.partial(_fp32_logprob_head, groups=groups, settings=settings,
@@ -147,7 +155,7 @@ def _forward_step(data_iterator, model, *, groups, denominators, settings, tempe
                    padding_mask=micro_batch.padding_mask, output_processor=head,
                    output_processor_context=micro_batch)
     return output, functools.partial(_loss, micro_batch, denominators=denominators,
-                                     settings=settings)
+                                     settings=settings, groups=groups)
 
 
 def _fp32_logprob_head(*, hidden_states, output_layer, output_weight, context: MicroBatch,
@@ -185,19 +193,25 @@ def _fp32_logprob_head(*, hidden_states, output_layer, output_weight, context: M
     return logp  # [num_loss_tokens] fp32
 
 
-def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings: LossSettings):
+def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings: LossSettings,
+          groups: ParallelGroups | None = None):
     """(loss, token count, reduced stats) in Megatron's calculate_per_token_loss convention."""
     from megatron_rl.algorithms import (SFT_KIND, compute_policy_loss, cross_entropy_loss,
                                         token_weights)
 
     mask = micro_batch.loss_mask
     num_loss_tokens = int(mask.sum())
-    stats = torch.zeros(len(_STATS), dtype=torch.float64)
+    stats = torch.zeros(len(_STATS), dtype=torch.float64, device=logp.device)
     stats[_STATS.index("num_tokens")] = micro_batch.num_tokens
+    sequence_log_ratio = None
+    if settings.kind == "gspo" and groups is not None and groups.cp_size > 1:
+        # Collective: before the early return, every rank of the group takes part.
+        sequence_log_ratio = _gspo_sequence_log_ratio(micro_batch, logp, denominators, groups)
     if num_loss_tokens == 0:
         loss = logp.sum() * 0.0  # keeps every rank's backward identical in structure
-        return loss, torch.tensor(0, dtype=torch.int), {
-            "stats": stats, "abs_logp_diff_max": torch.zeros(1, dtype=torch.float64)}
+        return loss, torch.tensor(0, dtype=torch.int, device=logp.device), {
+            "stats": stats,
+            "abs_logp_diff_max": torch.zeros(1, dtype=torch.float64, device=logp.device)}
     sample_index = micro_batch.sample_index[mask]
     prompt_index = micro_batch.prompt_index[mask]
     ones = torch.ones_like(sample_index, dtype=torch.bool)
@@ -207,7 +221,8 @@ def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings
         out = compute_policy_loss(
             settings.kind, logp, micro_batch.old_logprobs[mask], micro_batch.advantages[mask],
             sample_index=sample_index, loss_mask=ones, eps_max=settings.eps_max,
-            eps_low=settings.eps_low, eps_high=settings.eps_high)
+            eps_low=settings.eps_low, eps_high=settings.eps_high,
+            sequence_log_ratio=sequence_log_ratio)
     weights = token_weights(settings.aggregation, ones, sample_index, prompt_index, denominators)
     loss = (out.token_loss * weights).sum()
     stats[_STATS.index("loss")] = loss.detach().double()
@@ -218,5 +233,28 @@ def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings
     if micro_batch.entropy is not None:
         stats[_STATS.index("entropy")] = micro_batch.entropy.detach().double().sum()
     largest = out.abs_logp_diff.detach().double().max().reshape(1)
-    return loss, torch.tensor(num_loss_tokens, dtype=torch.int), {
+    return loss, torch.tensor(num_loss_tokens, dtype=torch.int, device=logp.device), {
         "stats": stats, "abs_logp_diff_max": largest}
+
+
+def _gspo_sequence_log_ratio(micro_batch: MicroBatch, logp: torch.Tensor, denominators,
+                             groups: ParallelGroups) -> torch.Tensor:
+    """[num_loss_tokens] each loss token's completion mean log-ratio over the WHOLE completion,
+    whose positions are spread over the context-parallel ranks (a slice's own mean is another
+    ratio). The per-completion sums, indexed by global sample id, are all-reduced over data x
+    context parallel: the data-parallel ranks hold other completions, so they only add zeros,
+    and that group runs the same number of micro-batches in the same order (trainer.py), so
+    every rank makes this call once per micro-batch, loss tokens or not. The divisor is the
+    completion's loss-token count from the global denominators."""
+    from megatron_rl.algorithms.losses import gspo_log_ratio_sums
+
+    mask = micro_batch.loss_mask
+    sample_index = micro_batch.sample_index[mask]
+    counts = denominators.sample_num_tokens  # [num_samples_global]
+    if bool(mask.any()):
+        sums = gspo_log_ratio_sums(logp.detach(), micro_batch.old_logprobs[mask], sample_index,
+                                   counts.numel())
+    else:  # no loss token in this rank's slice (logp is the head's one placeholder)
+        sums = logp.new_zeros(counts.numel(), dtype=torch.float32)
+    torch.distributed.all_reduce(sums, group=groups.data_group)
+    return (sums / counts.to(sums.device).clamp(min=1))[sample_index]

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from megatron_rl.platform import collective_device
 from megatron_rl.trainer.batch import (TrainBatch, pack_micro_batches, padding_micro_batch,
-                                       shard_for_data_parallel, split_for_context_parallel)
+                                       sequence_pad_multiple, shard_for_data_parallel,
+                                       split_for_context_parallel)
 from megatron_rl.trainer.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from megatron_rl.trainer.model import build_model, precision_overrides, recompute_overrides
 from megatron_rl.trainer.optimizer import OptimizerSettings, build_optimizer
@@ -151,10 +153,11 @@ class RLTrainer:
 
     @property
     def pad_to_multiple(self) -> int:
-        # Sequence parallelism splits the sequence dimension over TP ranks; context parallelism
-        # into 2 * CP load-balanced chunks, each rank's half-chunks then split over TP.
-        multiple = self.groups.tp_size if self.layout.sequence_parallel else 1
-        return multiple * (2 * self.groups.cp_size if self.groups.cp_size > 1 else 1)
+        """The multiple micro-batch lengths are padded to (batch.sequence_pad_multiple): the
+        sequence-parallel and context-parallel splits, and FP8's token alignment."""
+        return sequence_pad_multiple(
+            tensor_parallel_size=self.groups.tp_size if self.layout.sequence_parallel else 1,
+            context_parallel_size=self.groups.cp_size, fp8_recipe=self.settings.fp8_recipe)
 
     def micro_batches(self, batch: TrainBatch) -> list:
         """This rank's micro-batches; every data-parallel and context-parallel rank gets the same
@@ -164,7 +167,7 @@ class RLTrainer:
         micro_batches = pack_micro_batches(batch, indices,
                                            max_tokens=self.settings.micro_batch_max_tokens,
                                            pad_to_multiple=self.pad_to_multiple)
-        count = torch.tensor(len(micro_batches))
+        count = torch.tensor(len(micro_batches), device=collective_device())
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX,
                                      group=self.groups.data_group)
         micro_batches += [padding_micro_batch(self.pad_to_multiple)
@@ -245,10 +248,9 @@ class RLTrainer:
 
     def _grads_finite(self) -> bool:
         """All ranks agree whether any gradient (any bucket, any rank) is NaN or inf."""
-        bad = torch.zeros(1)
+        bad = torch.zeros(1, device=collective_device())
         for buffer in self.model.buffers + self.model.expert_parallel_buffers:
-            if not bool(torch.isfinite(buffer.grad_data).all()):
-                bad.fill_(1)
+            bad = torch.maximum(bad, (~torch.isfinite(buffer.grad_data)).any().to(bad))
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         return not bool(bad.item())
 

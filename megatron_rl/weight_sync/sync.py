@@ -9,7 +9,9 @@ layout. Per bucket the stage's shard holders send their shards to the sender (ga
 converts them to HF names and layouts (`WeightGroup.to_hf`, casting to the generators' dtype)
 straight into the bucket's bytes; a background thread moves each full bucket (transport.py) while
 the sender gathers and converts the next one into a second buffer. Buckets, scratch memory and
-the weight-update group are reused from sync to sync.
+the weight-update group are reused from sync to sync; bucket buffers are not where the transport
+shares their memory with the generators (colocated tensors: the engine may still be reading a
+sent bucket), which get a fresh buffer per bucket.
 
 The global rank 0 wraps the update in SGLang's in-flight protocol (`_UpdateControl`), in this
 order: health check -> pause (in place by default: running requests keep their KV cache) ->
@@ -43,6 +45,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.platform import collective_device
 from megatron_rl.rollout.generator import Generator
 from megatron_rl.rollout.types import GeneratorDeadError, GeneratorError
 from megatron_rl.weight_sync.buckets import Bucket
@@ -202,7 +205,7 @@ class WeightSync:
 
         # [port, session id]: rank 0 picks both. The id makes the group names unique per
         # WeightSync, so a group left on a generator by a crashed trainer never collides.
-        shared = torch.tensor([settings.master_port or 0, 0])
+        shared = torch.tensor([settings.master_port or 0, 0], device=collective_device())
         if dist.get_rank() == 0:
             if settings.master_port is None:
                 shared[0] = free_port(settings.master_address)
@@ -286,11 +289,14 @@ class WeightSync:
             tick = time.perf_counter()
             flushed, failed = control.close(version)
             counts.control_s += time.perf_counter() - tick
-        self.version = version  # every generator not failed below serves it
+        # A failure here leaves the version where it was, like every failed sync: the retry
+        # (after the failed generators were restarted) publishes this same version again.
         self._agree(GeneratorError("; ".join(failed)) if failed else None, "ending the update",
                     version=version, outcome=(
                         f"the generators named are marked failed and stay paused with version "
-                        f"{version}'s weights; the others serve version {version}"))
+                        f"{version}'s weights; the others serve version {version}, which the "
+                        f"next sync labels its weights again"))
+        self.version = version
         times = self.transport.times
         return SyncReport(version=version, num_bytes=counts.num_bytes,
                           num_tensors=counts.num_tensors, num_buckets=counts.num_buckets,
@@ -408,18 +414,24 @@ class WeightSync:
                     slots[name].copy_(tensor)
 
     def _bucket_buffers(self) -> list[torch.Tensor]:
-        """Two buffers of the largest bucket (one is filled while the other is sent)."""
-        if not self._buffers:
-            size = max(bucket.num_bytes for bucket in self.plan)
-            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.gatherer.device)
-                             for _ in range(min(2, len(self.plan)))]
-        return self._buffers
+        """Two buffers of the largest bucket (one is filled while the other is sent), kept from
+        sync to sync; fresh ones every sync where the transport shares a sent bucket's memory
+        with the generators (then `_SendPipeline` replaces every sent buffer as well)."""
+        keep = not self.transport.shares_bucket_memory
+        if keep and self._buffers:
+            return self._buffers
+        size = max(bucket.num_bytes for bucket in self.plan)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.gatherer.device)
+                   for _ in range(min(2, len(self.plan)))]
+        if keep:
+            self._buffers = buffers
+        return buffers
 
     def _failures(self, error) -> tuple[list[str], bool]:
         """Every rank's error message ([] when no rank failed) and whether any was a dead
         generator; collective over the world."""
         code = 0 if error is None else 2 if isinstance(error, GeneratorDeadError) else 1
-        flag = torch.tensor([code], dtype=torch.int64)
+        flag = torch.tensor([code], dtype=torch.int64, device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not int(flag):
             return [], False
@@ -430,7 +442,7 @@ class WeightSync:
 
     @staticmethod
     def _any(value: bool) -> bool:
-        flag = torch.tensor([int(value)], dtype=torch.int64)
+        flag = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(int(flag))
 
@@ -516,6 +528,9 @@ class _SendPipeline:
                     self.counts.num_buckets += 1
                 except Exception as exc:  # noqa: BLE001 (returned to the caller)
                     self.error = exc
+            if self.transport.shares_bucket_memory:
+                # The generators may still be reading the sent memory: never write it again.
+                buffer = torch.empty_like(buffer)
             self._free.put(buffer)
 
 

@@ -8,7 +8,8 @@
   splits the same ranks) takes that many consecutive ranks of the group (SGLang: rank_offset +
   tp_rank); every one of them receives the full HF tensors and its weight loaders keep its shard.
 - `TensorTransport` (colocated fallback): hands the tensors over in memory
-  (`update_weights_from_tensor`).
+  (`update_weights_from_tensor`). The engine may still read a bucket's memory after it replied,
+  so a sent bucket's memory is never written again (`Transport.shares_bucket_memory`).
 - `DiskTransport` (last resort): writes an HF folder (safetensors + config) and asks the
   generators to reload it (`update_weights_from_disk`).
 
@@ -47,6 +48,9 @@ class TransferTimes:
 
 class Transport(abc.ABC):
     times: TransferTimes
+    # True: the generators may read a bucket's memory after `send` returned, so the sender gives
+    # every bucket memory of its own and never writes a sent bucket again.
+    shares_bucket_memory: bool = False
 
     def connect(self) -> None:
         """Prepare (idempotent); raises on failure."""
@@ -82,6 +86,14 @@ def init_sender_group(group: WeightUpdateGroup, store: dist.Store, *,
         timeout=datetime.timedelta(seconds=timeout_s))
     _world.pg_group_ranks[pg] = {i: i for i in range(group.world_size)}
     return pg
+
+
+def _wait_for_device(device: torch.device) -> None:
+    """Block until the work queued on `device` has run. An NCCL collective returns once it is
+    queued, so a clock read right after it would put the transfer into the generators' load
+    time; CPU (gloo) collectives have finished when they return."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _run_all(calls: Sequence, *, then=None, timeout_s: float):
@@ -177,6 +189,7 @@ class DistributedTransport(Transport):
         def broadcast():
             start = time.perf_counter()
             dist.broadcast(bucket.data.to(self.device), src=0, group=self._pg)
+            _wait_for_device(self.device)  # NCCL returns once the broadcast is queued
             marks["sent"] = time.perf_counter()
             marks["start"] = start
 
@@ -201,7 +214,18 @@ class DistributedTransport(Transport):
 
 
 class TensorTransport(Transport):
-    """Colocated generators: tensors handed over in memory, bucket by bucket."""
+    """Colocated generators: tensors handed over in memory, bucket by bucket
+    (`Generator.update_weights_from_tensors`; SGLang's payload contract is
+    megatron_rl.rollout.sglang_tensors).
+
+    SGLang replies once its ranks have passed a CPU barrier after loading, but on GPU the copies
+    into its parameters may still be queued then, reading the bucket's memory (slime's
+    update_weight_from_tensor.py warns of this). So a sent bucket's memory is never written
+    again: the sender gives every bucket a fresh buffer and drops the sent one, whose memory
+    torch's CUDA IPC reference counting keeps out of the caching allocator until every engine
+    rank has released it (an engine synchronises its stream before it does)."""
+
+    shares_bucket_memory = True
 
     def __init__(self, generators: Sequence[Generator], *, timeout_s: float):
         self.generators = list(generators)

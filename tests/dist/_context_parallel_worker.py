@@ -12,6 +12,8 @@ asserts on them, so a failure shows the numbers.
    (DP 1) from the same initial weights: loss, grad norm, token counts, updated parameters;
    at TP 2 + SP with CP 2 (4 ranks) loss and grad norm, and for llama4 a checkpoint saved there
    and loaded at CP 1 (DP 4), whose parameters must be CP 1's updated ones.
+4. gspo_step (llama): the same CP 1 / CP 2 comparison with the GSPO loss, whose sequence ratio
+   needs every slice of a completion (issue 29.5).
 """
 from __future__ import annotations
 
@@ -116,22 +118,23 @@ def check_split(out: dict) -> None:
     out["split"] = {"mismatched_fields": mismatches, "shapes": shapes}
 
 
-def _settings(layout: ParallelLayout, model_name: str, num_layers: int) -> TrainerSettings:
+def _settings(layout: ParallelLayout, model_name: str, num_layers: int,
+              kind: str = "cispo") -> TrainerSettings:
     return TrainerSettings(
         model_name=model_name, model_size="tiny", layout=layout, precision="fp32",
-        loss=LossSettings(kind="cispo", aggregation="prompt", logprob_chunk_size=8),
+        loss=LossSettings(kind=kind, aggregation="prompt", logprob_chunk_size=8),
         optimizer=OptimizerSettings(lr=1e-3, lr_warmup_steps=0, clip_grad=1.0),
         micro_batch_max_tokens=32, seed=1234, config_overrides={"num_layers": num_layers})
 
 
 def check_rl_step(out: dict, model_name: str, num_layers: int,
-                  checkpoint_dir: str | None = None) -> None:
+                  checkpoint_dir: str | None = None, kind: str = "cispo") -> None:
     from megatron_rl.trainer.model import unwrap
 
     batch = make_batch(vocab_size=256, seed=3)
     result = {"true_num_tokens": sum(ids.numel() - 1 for ids in batch.token_ids)}
     for name, layout in (("cp1", CP1), ("cp2", CP2)):
-        trainer = RLTrainer(_settings(layout, model_name, num_layers))
+        trainer = RLTrainer(_settings(layout, model_name, num_layers, kind))
         if name == "cp1":
             initial = full_params(trainer)
         else:
@@ -160,6 +163,9 @@ def check_rl_step(out: dict, model_name: str, num_layers: int,
         else:
             result["param_max_abs_diff"] = max(float((after[k] - reference[k]).abs().max())
                                                for k in reference)
+    if kind != "cispo":
+        out.setdefault(f"{kind}_step", {})[model_name] = result
+        return
     if torch.distributed.get_world_size() == 4:
         # TP2 + SP with CP2 (DP1): sequences padded to 2 * CP * TP; loss and grad norm (the
         # parameters are TP-sharded here, and a CP checkpoint to reshard them through is not
@@ -198,6 +204,7 @@ def main() -> None:
     for model_name, num_layers in (("llama", 2), ("qwen3_moe", 2)):
         check_rl_step(out, model_name, num_layers)
     check_rl_step(out, "llama4", 4, checkpoint_dir=os.path.join(out_dir, "checkpoint"))
+    check_rl_step(out, "llama", 2, kind="gspo")
     write_result(out, out_dir)
 
 

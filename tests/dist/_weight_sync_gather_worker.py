@@ -6,7 +6,8 @@ gather involved). Then, for every layout, a trainer loads the same weights and a
 (colocated tensor transport, small buckets so that a sync has many buckets and the two bucket
 buffers are reused) sends them to an in-process recording generator on each stage's sender;
 `hf_state_dict()` is collected too. Rank 0 writes, per layout, what the senders received: names,
-the largest difference from the reference, bytes and buckets.
+the largest difference from the reference, bytes and buckets; and what each sender's sync keeps
+allocated after it (bucket buffers, the scratch arena), which the memory planner predicts.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ BUCKET_BYTES = 96 * 1024  # the tiny model is ~1.3 MB: about a dozen buckets
 
 class RecordingGenerator(Generator):
     """Receives colocated weight updates and keeps a copy of every tensor, as a real engine
-    copies them into its model (the bucket memory is reused for the next bucket)."""
+    copies them into its model."""
 
     def __init__(self):
         self.received: dict[str, torch.Tensor] = {}
@@ -118,6 +119,13 @@ def run_layout(name: str, layout: ParallelLayout, init_dir: str | None, groups, 
         transport="tensor", bucket_bytes=BUCKET_BYTES, dtype=dtype, pause_mode="in_place"),
         hf_vocab_size=hf.vocab_size)
     report = sync.sync()
+    # Before hf_state_dict(), which gathers everything into the arena (no bucket slots). The
+    # colocated transport takes fresh bucket buffers every sync: ask for a sync's pair.
+    kept = {"num_buckets": len(sync.plan),
+            "largest_bucket": max(b.num_bytes for b in sync.plan),
+            "buffers": sum(b.numel() * b.element_size() for b in sync._bucket_buffers())
+            if sync.groups.is_sender else 0,
+            "gathered": sync.arena.capacity}
     state = sync.hf_state_dict()
     sender = sync.groups.is_sender
     mine = {
@@ -127,6 +135,7 @@ def run_layout(name: str, layout: ParallelLayout, init_dir: str | None, groups, 
         "num_bytes": report.num_bytes, "num_buckets": report.num_buckets,
         "version": report.version, "calls": generator.calls,
         "planned_bytes": sum(b.num_bytes for b in sync.plan),
+        "sync_memory": kept if sender else None,
     }
     return {"ranks": gather_to_rank0(mine)}
 

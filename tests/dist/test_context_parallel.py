@@ -7,7 +7,9 @@ tests/dist/_context_parallel_worker.py (see its docstring):
 - one RL step at CP 2 (DP 2) gives CP 1's (DP 4) loss, gradient norm and updated parameters for
   the llama, qwen3_moe and llama4 tiny families, with uneven completion lengths; and at
   TP 2 + SP with CP 2 (DP 1) the same loss and gradient norm; llama4's checkpoint saved at
-  TP 2 + SP + CP 2 and loaded at CP 1 holds CP 1's updated parameters.
+  TP 2 + SP + CP 2 and loaded at CP 1 holds CP 1's updated parameters;
+- the same CP 2 = CP 1 step with the GSPO loss (llama), whose sequence ratio is reduced over the
+  CP ranks' slices of each completion.
 """
 from pathlib import Path
 
@@ -75,6 +77,20 @@ def test_tp2_sp_cp2_step_equals_cp1_step(result, family):
     assert tp_cp["num_tokens"] == got["true_num_tokens"]
     # Padded to 2 * CP * TP = 8: local lengths are multiples of 4, split again over TP by SP.
     assert all(n % 4 == 0 for n in tp_cp["local_seq_lens"]), tp_cp
+
+
+def test_gspo_cp2_step_equals_cp1_step(result):
+    """Issue 29.5: with each CP rank's own slice as the completion, CP 2's loss, gradient and
+    update were those of other sequence ratios."""
+    got = result["gspo_step"]["llama"]
+    cp1, cp2 = got["cp1"], got["cp2"]
+    assert (cp1["cp_size"], cp2["cp_size"]) == (1, 2)
+    assert got["start_max_abs_diff"] == 0.0
+    assert _close(cp2["loss"], cp1["loss"]), got
+    assert _close(cp2["grad_norm"], cp1["grad_norm"]), got
+    assert cp2["num_loss_tokens"] == cp1["num_loss_tokens"] == 27
+    assert cp2["max_abs_update"] > 5e-4  # the A > 0 completions' ratios are not clipped
+    assert got["param_max_abs_diff"] < 1e-7, got
 
 
 def test_checkpoint_saved_at_cp2_loads_at_cp1_with_the_same_update(result):

@@ -3,11 +3,13 @@
 Reference: the tiny Llama-4's converter mapping applied to the plain state dict of the same
 weights at (TP, EP, PP) = (1,1,1), no gather involved. At (1,1,1) DP4, TP2+SP, EP2, PP2 and
 TP2 x EP2 x PP2 + SP, a sync to a recording in-process generator on each stage's sender (colocated
-tensor transport, ~a dozen small buckets, two reused bucket buffers) must deliver every HF tensor
+tensor transport, ~a dozen small buckets, a fresh buffer per bucket) must deliver every HF tensor
 exactly once, bit-exact, in its HF shape; with dtype=bf16 every tensor arrives as the rounded
 reference. Only senders send; the coordinator (rank 0) wraps the update in pause / begin / end /
 flush / resume. And without any checkpoint, a TP2 trainer initialised from the same seed holds
-exactly the TP1 weights (on CPU every TP rank once drew the same shard). See
+exactly the TP1 weights (on CPU every TP rank once drew the same shard). What each sender keeps
+allocated after a sync (two bucket buffers, the scratch arena of gathered tensors) is what the
+memory planner predicts (megatron_rl/scaling/plan.py `sender_sync_memory`). See
 tests/dist/_weight_sync_gather_worker.py.
 """
 from pathlib import Path
@@ -42,7 +44,7 @@ def test_every_hf_tensor_arrives_once_and_exact(result, layout):
                                      else ["torch.float32"])
         received += sender["received"]["names"]
         from_state_dict += sender["hf_state_dict"]["names"]
-        # Many buckets (the two buffers are reused) and every planned byte sent.
+        # Many buckets and every planned byte sent.
         assert sender["num_buckets"] >= 3
         assert sender["num_bytes"] == sender["planned_bytes"]
     # Every HF tensor exactly once across the stages.
@@ -58,3 +60,34 @@ def test_every_hf_tensor_arrives_once_and_exact(result, layout):
     calls = ranks[0]["calls"]
     assert calls[:3] == ["health", "pause", "begin"] and calls[-3:] == ["end", "flush", "resume"]
     assert set(calls[3:-3]) == {"tensors"}
+
+
+@pytest.mark.parametrize("layout", FP32_LAYOUTS + ("tp2_ep2_pp2_sp_bf16",))
+def test_the_planner_predicts_what_each_sender_keeps(result, layout):
+    """Issue 30.9: the planner's weight-sync terms against the real sync's allocations, exactly:
+    bucket count, largest bucket, its two buffers and the arena's size after the sync."""
+    from megatron_rl.scaling import plan
+
+    sizes = {"tp1_ep1_pp1": {}, "tp2_sp": dict(tensor_model_parallel_size=2,
+                                               expert_tensor_parallel_size=2,
+                                               sequence_parallel=True),
+             "ep2": dict(expert_model_parallel_size=2),
+             "pp2": dict(pipeline_model_parallel_size=2)}
+    sizes["tp2_ep2_pp2_sp"] = sizes["tp2_ep2_pp2_sp_bf16"] = dict(
+        tensor_model_parallel_size=2, expert_model_parallel_size=2,
+        pipeline_model_parallel_size=2, sequence_parallel=True)
+    layout_sizes = plan.TrainerLayout(world_size=4, **sizes[layout])
+    arch = plan.Architecture.from_family("llama4", "tiny")
+    mapping = plan.family_mapping("llama4", "tiny")
+    senders = [r for r in result["layouts"][layout]["ranks"] if r["sender"]]
+    assert senders
+    for sender in senders:
+        predicted = plan.sender_sync_memory(
+            arch, layout_sizes, mapping, pp_rank=sender["pp_rank"], bucket_bytes=96 * 1024,
+            params_dtype="float32",
+            generator_dtype="bfloat16" if layout.endswith("bf16") else "float32")
+        kept = sender["sync_memory"]
+        # Not vacuous: shards of other ranks are gathered wherever TP or EP splits tensors.
+        assert (kept["gathered"] > 0) == ("tp2" in layout or "ep2" in layout), kept
+        assert kept["buffers"] == 2 * kept["largest_bucket"] > 0
+        assert {k: getattr(predicted, k) for k in kept} == kept, (layout, sender["pp_rank"])

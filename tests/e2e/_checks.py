@@ -35,6 +35,18 @@ def processes_left(*, model_dir: Path, driver_pid: int) -> list[str]:
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# What a run must not print on a CPU machine: a traceback, a Python warning (warnings.warn's
+# "file:line: SomeWarning: ..."), and the GPU / NIC health-check noise nvidia-resiliency-ext's
+# rank monitor used to print where there is no GPU (NVML, InfiniBand, its timestamped log lines).
+_NOISE = re.compile(r"Traceback \(most recent call last\)|\b[A-Z]\w*Warning: |\bNVML\b|"
+                    r"/sys/class/infiniband|^\[\d{4}-\d\d-\d\d [\d:,]+\] \[[A-Z]+\] \[RankMon",
+                    re.M)
+
+
+def console_noise(text: str) -> list[str]:
+    """The lines of a run's console output that are tracebacks or third-party noise."""
+    return [line for line in text.splitlines() if _NOISE.search(line)]
+
 
 def tiny_llama_checkpoint(directory: Path) -> Path:
     """tools/make_tiny_checkpoint.py's random tiny Llama (and tokenizer) in `directory`."""

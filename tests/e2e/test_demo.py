@@ -11,7 +11,8 @@ its last <answer> tags after the thinking, which is also what Python's own arith
 problem's expression says (the test recomputes both); the held-out prompts were never trained on
 (no training prompt of the pool shares a held-out text, and the warm-up data excludes the whole
 pool); forced interruption fired; the scaling log has the validation points; the driver printed
-the before/after samples and pass rates; and nothing outlives the run.
+the before/after samples and pass rates, and no traceback or third-party noise; and nothing
+outlives the run.
 """
 import json
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
-from _checks import ROOT, processes_left, scalars as read_scalars  # noqa: E402
+from _checks import ROOT, console_noise, processes_left, scalars as read_scalars  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -94,6 +95,10 @@ def test_demo_driver_runs_the_real_pipeline(tmp_path):
         proc.kill()
         stdout, stderr = proc.communicate()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    # What a newcomer sees on a CPU machine: no traceback, no third-party warning or health-check
+    # noise (nvidia-resiliency-ext's NVML tracebacks used to follow Ray's start).
+    noise = console_noise(stdout + stderr)
+    assert not noise, "\n".join(noise[:20])
 
     # The driver's report: samples before and after, the pass rates, and (too few points for a
     # fit in 2 steps) the reason there is no first-half prediction.

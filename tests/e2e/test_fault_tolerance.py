@@ -10,7 +10,9 @@ rewards), every training metric and the final model and optimizer tensors are bi
 ledger of the chaos run for no lost or duplicated group; the process table for orphans.
 The reward workers the chaos test kills are the driver's math-verify processes (the run grades
 math prompts); a reward function running in the driver itself (reasoning-gym's scorers) cannot
-hang apart from the driver.
+hang apart from the driver. The runs read their prompts as users bring them (docs/data.md): the
+resume test from our own JSON Lines layout, the chaos test from a GSM8K-style question / answer
+split saved with `datasets` (the colocated e2e reads verl's Parquet layout).
 """
 import json
 import os
@@ -98,8 +100,10 @@ def test_resume_after_a_crash_and_a_graceful_stop_is_bit_identical(tmp_path):
     B's steps 1-3 (the redone step 3 included) and its step-3 checkpoint equal A's, bit for
     bit; that checkpoint is what a --resume would load."""
     model = tiny_llama_checkpoint(tmp_path / "tiny_llama")
-    recipe = [f"model.hf_checkpoint={model}", "rollout.max_off_policyness=0",
-              "rollout.deterministic=true", "train.num_steps=4", "checkpoint.keep_last=4"]
+    prompts = _prompt_file(tmp_path / "sums.jsonl")  # our own layout (docs/data.md)
+    recipe = [f"model.hf_checkpoint={model}", f"data.prompts={prompts}",
+              "rollout.max_off_policyness=0", "rollout.deterministic=true", "train.num_steps=4",
+              "checkpoint.keep_last=4"]
     a, b = tmp_path / "a", tmp_path / "b"
     # A checkpoints every step (B every 2): writing a checkpoint must not change the run.
     run_a = _start([*recipe, f"output_dir={a}", "checkpoint.interval_steps=1"])
@@ -150,14 +154,28 @@ def test_resume_after_a_crash_and_a_graceful_stop_is_bit_identical(tmp_path):
     assert not different, different[:5]
 
 
-def _math_prompts(path, n=64):
-    """Arithmetic as "math" prompts (graded by math-verify in the driver's worker processes, the
-    reward workers the chaos test kills and stops)."""
+def _prompt_file(path, n=64):
+    """Arithmetic as "math" prompts in megatron_rl's own JSON Lines layout."""
     from megatron_rl.data import PromptRecord, save_prompts
 
     save_prompts([PromptRecord(prompt_id=f"sum/{i}", task="math", answer=str(i + 7 * i % 11),
                                prompt=f"What is {i} + {7 * i % 11}? Think, then give the answer "
                                       "after </think>.") for i in range(n)], path)
+    return path
+
+
+def _math_prompts(path, n=64):
+    """Arithmetic as a GSM8K-style question / answer set saved with `datasets`' save_to_disk, as
+    a user brings one (docs/data.md: every row a "math" prompt, the reference after "####"),
+    graded by math-verify in the driver's worker processes, the reward workers the chaos test
+    kills and stops."""
+    import datasets
+
+    datasets.Dataset.from_dict({
+        "question": [f"What is {i} + {7 * i % 11}? Think, then give the answer after </think>."
+                     for i in range(n)],
+        "answer": [f"{i} + {7 * i % 11} = {i + 7 * i % 11}\n#### {i + 7 * i % 11}"
+                   for i in range(n)]}).save_to_disk(str(path))
     return path
 
 
@@ -189,7 +207,8 @@ def test_chaos_generators_trainer_and_reward_workers_die_and_hang_nothing_is_los
 
     model = tiny_llama_checkpoint(tmp_path / "tiny_llama")
     out = tmp_path / "run"
-    prompts = _math_prompts(tmp_path / "sums.jsonl")
+    prompts = tmp_path / "sums"
+    _math_prompts(prompts)
     started = time.time()
     proc = _start([f"model.hf_checkpoint={model}", f"output_dir={out}", f"data.prompts={prompts}",
                    "rollout.num_generators=2", "rollout.health_check_interval_s=2",

@@ -171,6 +171,7 @@ def test_pipeline_step_on_ray_with_weight_sync_parity(tmp_path):
     from _hf_families import family_for, save_tiny_llama
 
     from megatron_rl.cluster import ClusterLayout, GeneratorPool, RayCluster, TrainerGroup
+    from megatron_rl.platform.environment import shared_environment
     from megatron_rl.rollout import SamplingParams, SGLangGenerator
     from megatron_rl.rollout.samples import Segment, assemble_sample
     from megatron_rl.trainer import CheckpointState, StepMetrics, TrainBatch
@@ -193,6 +194,11 @@ def test_pipeline_step_on_ray_with_weight_sync_parity(tmp_path):
         clock.lap("generator up")
         trainers = TrainerGroup.create(placement, run, family=family_for(model_dir))
         clock.lap("trainer up")
+        # One set of NCCL settings (the job's runtime_env) in the trainer rank's process and
+        # the SGLang server's, as they were started (megatron_rl.platform.environment).
+        shared = shared_environment()
+        started_with = [_environ(pid) for pid in (trainers.nodes[0].pid, endpoint.pid)]
+        assert [{k: env.get(k) for k in shared} for env in started_with] == [shared] * 2
         trainers.connect_generators(generators.endpoints, hf_config_dir=str(model_dir))
         generator = SGLangGenerator(endpoint.url, request_timeout_s=120)
 
@@ -242,6 +248,12 @@ def test_pipeline_step_on_ray_with_weight_sync_parity(tmp_path):
     _assert_nothing_left(snapshot, [settings.temp_dir, str(model_dir)])
     shutil.rmtree(settings.temp_dir, ignore_errors=True)  # Ray's logs, kept when a test fails
     clock.report("pipeline step on Ray")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` was started with."""
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
 
 
 def _kill_and_check_the_generator_is_named(pool, endpoint) -> None:

@@ -12,6 +12,7 @@ version, and every sampled token carries the server's version.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_forced_interruption_on_a_live_server(llama_generator):
     from megatron_rl.config import load_config
     from megatron_rl.rollout import SamplingParams
     from megatron_rl.rollout.async_client import AsyncSGLangClient
-    from megatron_rl.rollout.interruption import InterruptionSettings, generate_completion
+    from megatron_rl.rollout.interruption import (InterruptionSettings, bind_generate,
+                                                   generate_completion)
     from megatron_rl.rollout.samples import NOT_SAMPLED
 
     model_dir = llama_generator.server.settings.model_path
@@ -44,7 +46,8 @@ def test_forced_interruption_on_a_live_server(llama_generator):
         f"rollout.temperature={TEMPERATURE}", "rollout.thinking_budget_min=6",
         "rollout.thinking_budget=10", "rollout.solution_budget=120"]).rollout
     settings = InterruptionSettings.from_rollout_config(
-        rollout, lambda text: tokenizer.encode(text, add_special_tokens=False))
+        rollout, lambda text: tokenizer.encode(text, add_special_tokens=False),
+        decode=tokenizer.decode)
     # Sampling runs to the length limit (ignore_eos), so the thinking part is always cut unless
     # the model happens to write "</think>" itself.
     params = SamplingParams.for_training(rollout, max_new_tokens=1, ignore_eos=True, seed=5)
@@ -53,9 +56,7 @@ def test_forced_interruption_on_a_live_server(llama_generator):
     async def rollouts():
         async with AsyncSGLangClient(llama_generator.url, request_timeout_s=120) as client:
             async def one(group_id, prompt):
-                def generate_one(input_ids, max_new_tokens):
-                    return client.generate_one(input_ids, max_new_tokens, params,
-                                               extra_key="v0")
+                generate_one = bind_generate(client, params, extra_key="v0")
                 return await generate_completion(generate_one, prompt, settings=settings,
                                                  rng=random.Random(group_id),
                                                  group_id=group_id, sample_index=0)
@@ -63,12 +64,16 @@ def test_forced_interruption_on_a_live_server(llama_generator):
 
     samples = asyncio.run(rollouts())
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    phrase = settings.phrase_ids
     version = int(llama_generator.server_weight_version())
     interrupted = [s for s in samples if s.interrupted]
     assert len(interrupted) >= 3, [s.token_ids for s in samples]
     for sample in interrupted:
         budget = sample.thinking_budget
+        # After a space unless the thinking ends in whitespace (never "-3Okay, time is up.").
+        phrase = settings.phrase_after(sample.token_ids[:budget])
+        text = tokenizer.decode(sample.token_ids[:budget + len(phrase)])
+        assert text.endswith(rollout.interruption_phrase)
+        assert text[-len(rollout.interruption_phrase) - 1].isspace()
         assert 6 <= budget <= 10 and sample.segment_offsets == (0, budget, budget + len(phrase))
         assert sample.token_ids[budget:budget + len(phrase)] == phrase
         assert len(sample.token_ids) == budget + settings.solution_budget  # ran to the limit
@@ -151,3 +156,92 @@ def test_rollout_manager_admits_under_the_bound_and_scores_with_the_verifier(lla
             assert sample.group_id == group.group_id and sample.num_loss_tokens > 0
             assert result.reward is not None and not result.verifier_failed
             assert result.reason in ("correct", "wrong", "no_answer", "parse_error")
+
+
+def test_a_thousand_requests_in_flight_on_one_generator_and_no_false_death(llama_generator):
+    """Big validation (issue 29) on the real CPU engine: 1000 one-token requests in flight at once
+    on one SGLang server through the manager's run_anywhere (validation's path), while the
+    driver's liveness check runs (the shortest window the recipe allows, 30 s): every request is
+    answered and the generator is never taken out. SGLang's /health_generate, the liveness
+    probe, passes both while the engine is busy with them and when it is idle. And a stop token
+    (how the thinking request ends at "</think>", rollout/interruption.py) ends a completion as
+    its last token, with finish reason "stop"."""
+    import time
+
+    from megatron_rl.algorithms import NoPositiveResamplingSampler
+    from megatron_rl.data.records import PromptRecord
+    from megatron_rl.rollout import SamplingParams
+    from megatron_rl.rollout.async_client import AsyncSGLangClient
+    from megatron_rl.rollout.interruption import InterruptionSettings
+    from megatron_rl.rollout.manager import RolloutManager
+    from megatron_rl.rollout.staleness import AdmissionGate, StalenessSettings
+
+    num_requests, window_s = 1000, 30.0
+    record = PromptRecord(prompt_id="p0", task="rg/x", prompt="1 + 1 =", answer="2")
+    params = SamplingParams(max_new_tokens=1, purpose="eval", seed=3)
+
+    async def run():
+        async with AsyncSGLangClient(llama_generator.url, max_connections=num_requests) \
+                as client:
+            manager = RolloutManager(
+                clients=[client], prompt_token_ids=[[5, 6]], records=[record],
+                sampler=NoPositiveResamplingSampler(1, seed=0),
+                gate=AdmissionGate(StalenessSettings(max_off_policyness=0, prompts_per_step=1)),
+                params=SamplingParams(max_new_tokens=1, num_samples=2),
+                interruption=InterruptionSettings(enabled=False, thinking_budget_min=4,
+                                                  thinking_budget=4, solution_budget=4),
+                score=lambda texts, records: [], decode=str, max_finished_groups=1)
+            taken_out: dict[int, str] = {}
+
+            async def driver_health_check():  # returns on a (false) death: fails at once
+                while not taken_out:
+                    taken_out.update(await manager.check_liveness(window_s))
+                    await asyncio.sleep(0.5)
+
+            async def request(key, c):
+                result = await c.generate_one([5 + key % 300, 6, 7], 1,
+                                              params.for_sample("eval", key))
+                return result.token_ids
+
+            started = time.monotonic()
+            watcher = asyncio.create_task(driver_health_check())
+            requests = asyncio.gather(*(manager.run_anywhere(i, lambda c, i=i: request(i, c))
+                                        for i in range(num_requests)))
+            for _ in range(3):  # every request sent; none can have been answered yet
+                await asyncio.sleep(0)
+            in_flight = client.progress().in_flight
+            probing = asyncio.ensure_future(client.probe(60.0))
+            try:
+                await asyncio.wait({watcher, requests}, timeout=300,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                assert not taken_out, (taken_out, client.progress())
+                answers = requests.result()
+                busy_probe = await probing
+            finally:
+                for task in (watcher, requests, probing):
+                    task.cancel()
+                await asyncio.gather(watcher, requests, probing, return_exceptions=True)
+            elapsed = time.monotonic() - started
+            idle_probe = await client.probe(30.0)
+            # A stop token ends the completion as its last token (what the thinking request's
+            # end-of-thinking stop relies on): greedy, then stopped at its third token.
+            greedy = SamplingParams(max_new_tokens=8, purpose="eval", temperature=0.0,
+                                    ignore_eos=True)
+            free = await client.generate_one([5, 6, 7], 8, greedy)
+            stop = free.token_ids[2]
+            stopped = await client.generate_one(
+                [5, 6, 7], 8, dataclasses.replace(greedy, ignore_eos=False,
+                                                  stop_token_ids=(stop,)))
+            return (answers, in_flight, manager.take_failures(), manager.down, busy_probe,
+                    idle_probe, elapsed, free, stopped, stop)
+
+    (answers, in_flight, failures, down, busy_probe, idle_probe, elapsed, free, stopped,
+     stop) = asyncio.run(run())
+    assert len(answers) == num_requests and all(len(a) == 1 for a in answers)
+    assert in_flight == num_requests  # all of them in flight at once
+    assert not failures and down == frozenset(), (failures, elapsed)
+    assert busy_probe is None  # busy: a forward step completed
+    assert idle_probe is None  # idle: SGLang's one-token health generation
+    first_stop = free.token_ids.index(stop)
+    assert stopped.token_ids == free.token_ids[:first_stop + 1]
+    assert stopped.finish_reason == "stop"

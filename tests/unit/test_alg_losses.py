@@ -170,6 +170,61 @@ def test_gspo_sequence_ratio_and_gradient():
         _close(logp.grad, ref_logp.grad.tolist())
 
 
+def test_gspo_sequence_ratio_of_a_completion_split_over_context_parallel_ranks():
+    """Issue 29.5: one completion of 4 tokens, log-ratios 0, 0.5, 0.5, 0. CP 1: s = e^0.25 =
+    1.284. CP 2 (load-balanced: rank 0 holds positions 0 and 3, rank 1 positions 1 and 2): each
+    rank's own mean gives 1.0 and e^0.5 = 1.649; the partial sums added over the ranks give every
+    token CP 1's ratio, loss and gradient back."""
+    from megatron_rl.algorithms.losses import gspo_log_ratio_sums
+    from megatron_rl.ops.context_parallel import load_balanced_positions
+
+    old = _t([-1.0, -1.5, -1.5, -1.0])
+    logp_values = [-1.0, -1.0, -1.0, -1.0]
+    advantages = _t([1.0] * 4)
+    sample_index = torch.zeros(4, dtype=torch.long)
+    logp = _t(logp_values, grad=True)
+    whole = gspo_loss(logp, old, advantages, sample_index, eps_low=0.5, eps_high=0.5)
+    whole.token_loss.sum().backward()
+    _close(whole.sequence_ratio, [math.exp(0.25)] * 4)  # 1.284
+
+    slices = [load_balanced_positions(4, rank, 2) for rank in range(2)]
+    assert [s.tolist() for s in slices] == [[0, 3], [1, 2]]
+    own = [gspo_loss(_t(logp_values)[k], old[k], advantages[k], sample_index[k],
+                     eps_low=0.5, eps_high=0.5).sequence_ratio for k in slices]
+    _close(own[0], [1.0, 1.0])
+    _close(own[1], [math.exp(0.5)] * 2)  # 1.649
+
+    sums = sum(gspo_log_ratio_sums(_t(logp_values)[k], old[k], sample_index[k], 1)
+               for k in slices)
+    _close(sums, [1.0])  # 0 + 0.5 + 0.5 + 0
+    for k in slices:
+        piece = _t(logp_values)[k].requires_grad_()
+        out = compute_policy_loss("gspo", piece, old[k], advantages[k],
+                                  sample_index=sample_index[k], eps_low=0.5, eps_high=0.5,
+                                  sequence_log_ratio=(sums / 4)[sample_index[k]])
+        out.token_loss.sum().backward()
+        _close(out.sequence_ratio, whole.sequence_ratio[k].tolist())
+        _close(out.token_loss, whole.token_loss[k].tolist())
+        _close(piece.grad, logp.grad[k].tolist())
+
+
+def test_gspo_log_ratio_sums_masks_and_checks_its_ids():
+    from megatron_rl.algorithms.losses import gspo_log_ratio_sums
+
+    # Completion 2: log-ratios 0.1 and (masked, no behaviour log-prob) NaN; completion 0: -0.2,
+    # and a ratio beyond e^20 clamped as in the loss; completion 1 has no token here.
+    logp, old = _t([-0.9, -3.0, -0.7, -1.0]), _t([-1.0, float("nan"), -0.5, -30.0])
+    index, mask = torch.tensor([2, 2, 0, 0]), torch.tensor([1, 0, 1, 1])
+    _close(gspo_log_ratio_sums(logp, old, index, 3, loss_mask=mask), [-0.2 + 20.0, 0.0, 0.1])
+    with pytest.raises(ValueError, match=r"outside \[0, num_samples=2\)"):
+        gspo_log_ratio_sums(logp, old, index, 2, loss_mask=mask)
+    with pytest.raises(ValueError, match="sequence_log_ratio is GSPO's"):
+        compute_policy_loss("cispo", logp, old, _t([1.0] * 4), sequence_log_ratio=logp)
+    with pytest.raises(ValueError, match=r"sequence_log_ratio has shape \(2,\)"):
+        gspo_loss(logp, old, _t([1.0] * 4), index, loss_mask=mask,
+                  sequence_log_ratio=_t([0.0, 0.0]))
+
+
 def test_gspo_default_clip_range_is_tiny():
     # s = e^0.001 = 1.0010005 is beyond GSPO's default 1 + 4e-4, so a positive advantage clips.
     sample_index = torch.tensor([0, 0])

@@ -47,7 +47,8 @@ def test_jsonl_errors_name_the_line_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
         load_prompts(path)
     path.write_text(good + "\n" + good + "\n")
-    with pytest.raises(ValueError, match=r"duplicate prompt ids \['a'\]"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: prompt id 'a' is already the id of "
+                                         r".*bad.jsonl:1; ids must be unique"):
         load_prompts(path)
     path.write_text(json.dumps({"id": "c", "task": "code", "prompt": "p",
                                 "tests": {"stdio": [{"stdin": ""}]}}) + "\n")

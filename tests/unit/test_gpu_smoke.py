@@ -1,11 +1,15 @@
-"""tools/gpu_smoke.py --dry-run on CPU: every import and configuration path of the GPU smoke test
-runs without a GPU and the JSON report says what a GPU run would do. The slice's TE layer spec
-has Transformer Engine modules in exactly the slots TE fills (placeholders here, TE absent), the
-FP8 recipes set Megatron's fields, the chunked FP32 head beats the bf16 head's accuracy against
-fp64 at a tiny size, and the SGLang server arguments and weight-sync transports follow the GPU
-count (one GPU: in-memory hand-over, as NCCL refuses two ranks on one device), and SGLang's own
-argument parser accepts those arguments. A subprocess: the
-dry run activates the CPU shims and imports Megatron, which this test process must not inherit.
+"""tools/gpu_smoke.py on CPU. `--dry-run --cpu` writes one JSON record per stage, in the stage
+order, every stage's configuration checked: the FP8 recipes pad every micro-batch (the padding one
+too) to their token alignment, SGLang's own parser takes both servers' arguments, the in-memory
+sync's buckets are small enough to reuse buffers, the trainer environment of the colocated
+hand-over has no expandable segments, and the Scout MoE layer's planner figure is there; and stage
+2 runs RLTrainer for real on the CPU stand-in (gloo, local spec): fp32 log-probs equal
+transformers' fp32 forward of the same converted weights, bf16 ones differ by bf16 noise only, a
+padding micro-batch changes no statistic, and train_step runs over it. A subprocess: the run
+activates the CPU shims and imports Megatron, which this test process must not inherit.
+
+The runner itself (fail-fast, a stage's time budget, the record shape) is checked in-process with
+stand-in stages.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,56 +25,120 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import gpu_smoke  # noqa: E402  (imports neither torch's CUDA side nor Megatron)
 
 
-def test_gpu_smoke_dry_run(tmp_path):
-    output = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, "tools/gpu_smoke.py", "--dry-run", "--output",
-                           str(output)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+def test_dry_run_on_cpu_checks_every_stage_and_runs_the_trainer(tmp_path):
+    output = tmp_path / "smoke.jsonl"
+    proc = subprocess.run([sys.executable, "tools/gpu_smoke.py", "--dry-run", "--cpu",
+                           "--output", str(output)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(output.read_text())
-    assert report["dry_run"] and report["within_time_limit"]
-    sections = report["sections"]
-    assert {name: s["status"] for name, s in sections.items()} == {
-        "te_slice": "ok", "logprob_head": "ok", "sglang_sync": "ok"}
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["stage"] for r in records] == list(gpu_smoke.STAGES)
+    assert [r["index"] for r in records] == list(range(len(gpu_smoke.STAGES)))
+    for record in records:
+        assert set(record) == set(gpu_smoke.RECORD_FIELDS)
+        assert (record["status"], record["mode"], record["error"]) == ("ok", "cpu", None)
+    assert sum(r["budget_s"] for r in records) == gpu_smoke.TIME_LIMIT_S == 600
+    imports, trainer, sglang, colocated, moe = (r["result"] for r in records)
 
-    te = sections["te_slice"]
-    assert te["fp32"]["params_dtype"] == "torch.float32"
-    assert te["bf16"]["params_dtype"] == "torch.bfloat16"
-    assert te["bf16"]["num_layers"] == 2 and te["bf16"]["hidden_size"] == 5120  # Scout's width
-    spec = te["layer_spec"]
-    assert spec["self_attention"] == "Llama4SelfAttention"
+    assert imports["modules"]["megatron.core"]["imported"]
+    env = imports["environment"]
+    assert env["shared_disagree"] == {}
+    assert env["trainer_ranks"]["NCCL_CUMEM_ENABLE"] == env["engines"]["NCCL_CUMEM_ENABLE"]
+
+    chunk = trainer["attention_chunk_size"]
+    assert min(trainer["sequence_lengths"]) > chunk
+    assert len({n % 8 for n in trainer["sequence_lengths"]}) > 1  # uneven lengths
+    for name, alignment in (("fp8_delayed_te", 16), ("fp8_mxfp8_te", 32)):
+        fp8 = trainer["configuration"]["precisions"][name]
+        assert fp8["pad_to_multiple"] % alignment == 0, fp8
+        assert all(n % alignment == 0 for n in fp8["micro_batch_lengths"]), fp8
+        assert fp8["padding_micro_batch_length"] % alignment == 0, fp8
+        assert fp8["fp8_fields"]["fp8_recipe"] == name.split("_")[1]
+    spec = trainer["configuration"]["precisions"]["bf16_te"]["layer_spec"]
     assert spec["self_attention.core_attention"] == "Llama4CoreAttention"
-    assert spec["mlp"] == "MoELayer" and spec["pre_mlp_layernorm"] == "_TENormWithResidual"
-    if report["environment"]["transformer-engine"] is None:  # CI: TE's slots are placeholders
-        assert set(te["te_placeholders"]) == {
-            "self_attention.linear_qkv", "self_attention.linear_proj",
-            "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"}
-    assert te["fp8_fields"] == {"delayed": {"fp8": "hybrid", "fp8_recipe": "delayed"},
-                                "mxfp8": {"fp8": "e4m3", "fp8_recipe": "mxfp8"}}
+    assert spec["mlp"] == "MoELayer"
+    fp32, bf16 = trainer["precisions"]["fp32_local"], trainer["precisions"]["bf16_local"]
+    assert fp32["backend"] == "gloo" and fp32["parameter_device"] == "cpu"
+    # Against transformers' fp32 forward of the converted weights: equal in fp32 (the reference
+    # and the conversion agree), bf16 noise in bf16 (so the comparison can tell them apart).
+    assert fp32["logp_vs_reference"]["mean_abs"] < 1e-5
+    assert 1e-4 < bf16["logp_vs_reference"]["mean_abs"] < 1e-2
+    for run in (fp32, bf16):
+        assert run["logp_with_padding"] == run["logp_vs_reference"]  # the padding counts nothing
+        assert run["micro_batch_lengths"][-1] == 1  # the padding micro-batch, last
+        step = run["train_step"]
+        assert step["num_micro_batches"] == len(run["micro_batch_lengths"]) > 2
+        assert not step["skipped"] and step["num_loss_tokens"] == sum(
+            c for _, c in gpu_smoke.SEQUENCE_LENGTHS)
 
-    head = sections["logprob_head"]
-    assert head["chunked_fp32"]["max_abs_err_vs_fp64"] < 1e-5
-    assert head["bf16_head"]["max_abs_err_vs_fp64"] > 10 * head["chunked_fp32"][
-        "max_abs_err_vs_fp64"]
+    for name, saver in (("server_sglang", "False"), ("server_colocated", "True")):
+        parsed = sglang[name]["parsed"]  # by SGLang's own argument parser
+        assert (parsed["device"], parsed["dtype"], parsed["enable_memory_saver"]) == (
+            "cuda", "bfloat16", saver)
+    syncs = sglang["syncs"]
+    assert (syncs["distributed"]["transport"], syncs["distributed"]["backend"]) == (
+        "distributed", "gloo")
+    assert syncs["tensor"]["transport"] == "tensor"
+    assert sglang["min_tensor_buckets"] >= gpu_smoke.MIN_BUCKETS
+    assert sglang["family"] == "llama4" and sglang["num_weight_groups"] > 0
 
-    sync = sections["sglang_sync"]
-    args = sync["server_args"]
-    assert args[args.index("--device") + 1] == "cuda"
-    assert args[args.index("--dtype") + 1] == "bfloat16"
-    assert "--enable-fp32-lm-head" in args and "--disable-cuda-graph" not in args
-    # ... and SGLang's own parser takes them.
-    assert sync["sglang_parsed"] == {"device": "cuda", "dtype": "bfloat16",
-                                     "mem_fraction_static": "0.3", "enable_fp32_lm_head": "True"}
-    assert (sync["transport_1_gpu"], sync["baseline_1_gpu"]) == ("tensor", "device_copy")
-    assert (sync["transport_2_gpus"], sync["baseline_2_gpus"]) == ("distributed",
-                                                                   "nccl_broadcast")
-    assert sync["family"] == "llama" and sync["num_weight_groups"] > 0
+    assert not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(
+        colocated["trainer_environment"])
+    assert colocated["resume_order"][0] == ["weights"]
+
+    assert (moe["hidden_size"], moe["num_moe_experts"], moe["moe_ffn_hidden_size"]) == (
+        5120, 16, 8192)  # Scout's
+    assert moe["planner_bytes"] == sum(moe["planner_parts"].values()) > 0
+    assert {"attention", "experts", "router"} <= set(moe["planner_parts"])
 
 
-def test_gpu_smoke_refuses_a_real_run_without_a_gpu(tmp_path):
+def test_a_real_run_refuses_without_a_gpu(tmp_path):
     proc = subprocess.run([sys.executable, "tools/gpu_smoke.py", "--output",
-                           str(tmp_path / "r.json"), "--sections", "logprob_head"], cwd=ROOT,
+                           str(tmp_path / "r.jsonl"), "--stages", "imports"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "tools/gpu_smoke.py", "--cpu"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "pass --dry-run --cpu" in proc.stderr, proc.stderr[-2000:]
+
+
+def _stand_ins(monkeypatch, stages: dict) -> None:
+    monkeypatch.setitem(gpu_smoke.RUNNERS, "dry_run", stages)
+
+
+def test_the_first_failure_stops_the_run_and_every_stage_gets_a_record(tmp_path, monkeypatch):
+    def failing(ctx):
+        gpu_smoke.expect(False, "log-probs differ", {"mean_abs": 0.3})
+
+    calls = []
+    _stand_ins(monkeypatch, {
+        "imports": lambda ctx: calls.append("imports") or {"torch": "x"},
+        "trainer": failing,
+        "sglang": lambda ctx: calls.append("sglang") or {},
+        "colocated": lambda ctx: calls.append("colocated") or {},
+        "moe_layer": lambda ctx: calls.append("moe_layer") or {}})
+    output = tmp_path / "out.jsonl"
+    ctx = gpu_smoke.Context(mode="dry_run", work=tmp_path)
+    records = gpu_smoke.run(ctx, list(gpu_smoke.STAGES), output)
+    assert calls == ["imports"]
+    assert [r["status"] for r in records] == ["ok", "failed", "not_run", "not_run", "not_run"]
+    failed = records[1]
+    assert failed["error"] == "SmokeFailure: log-probs differ"
+    assert failed["result"] == {"mean_abs": 0.3} and "Traceback" in failed["traceback"]
+    assert records[2]["error"] == "stage trainer failed first"
+    assert [json.loads(line) for line in output.read_text().splitlines()] == records
+
+
+def test_a_stage_over_its_budget_fails(tmp_path, monkeypatch):
+    _stand_ins(monkeypatch, {"imports": lambda ctx: time.sleep(5) or {}})
+    monkeypatch.setitem(gpu_smoke.STAGE_BUDGET_S, "imports", 0.3)
+    started = time.monotonic()
+    (record,) = gpu_smoke.run(gpu_smoke.Context(mode="dry_run", work=tmp_path), ["imports"],
+                              tmp_path / "out.jsonl")
+    assert time.monotonic() - started < 4
+    assert record["status"] == "failed" and record["error"].startswith("StageTimeout")

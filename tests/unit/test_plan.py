@@ -58,6 +58,128 @@ def scout():
     return plan.Architecture.from_family("llama4", "scout")
 
 
+# One MoE layer, H 8, 4 heads of 2 (linear_proj [8, 8]), 4 experts of width 6 (fc1 [12, 8]),
+# vocabulary 32 (output layer [32, 8]); TP 2 x EP 2: the sender holds experts 0 and 1 whole,
+# TP shard 0 of the dense tensors.
+TINY_MOE = plan.Architecture(num_layers=1, hidden_size=8, num_attention_heads=4,
+                             num_query_groups=2, head_dim=2, ffn_hidden_size=16, vocab_size=32,
+                             num_experts=4, moe_ffn_hidden_size=6, moe_layer_pattern=(1,))
+TP2_EP2 = plan.TrainerLayout(world_size=4, tensor_model_parallel_size=2,
+                             expert_model_parallel_size=2, sequence_parallel=True)
+
+
+def _tiny_mapping():
+    import torch
+
+    from models.convert_common import WeightGroup, renamed
+
+    fc1 = tuple(f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight"
+                for e in range(4))
+    stacked = WeightGroup(  # like Llama-4's fused experts: a new tensor, not a view
+        hf_names=("experts.gate_up_proj",), megatron_names=fc1, to_megatron=None,
+        to_hf=lambda mg: {"experts.gate_up_proj": torch.stack([mg[n].t() for n in fc1])})
+    return [renamed("lm_head.weight", "output_layer.weight"),
+            renamed("o_proj.weight", "decoder.layers.0.self_attention.linear_proj.weight"),
+            stacked]
+
+
+@pytest.mark.parametrize("bucket_bytes, expected", [
+    # Buckets [output 512 B], [o_proj 128 B], [experts 768 B]: two buffers of 768 B. Gathered
+    # per bucket: the output layer's TP shard 1 lands in its slot (rows: contiguous) -> 0;
+    # o_proj's shard 1 (columns: strided) needs 128 / 2 = 64 B of scratch -> 256 (aligned);
+    # experts 2 and 3 come whole from EP rank 1, 192 B each -> 2 x 256.
+    (600, dict(num_buckets=3, largest_bucket=768, buffers=2 * 768, gathered=512,
+               conversion=768)),
+    # One bucket of all three (1408 B): one buffer; gathered 256 + 512 at once.
+    (2**20, dict(num_buckets=1, largest_bucket=1408, buffers=1408, gathered=768,
+                 conversion=768)),
+])
+def test_sender_sync_memory_by_hand(bucket_bytes, expected):
+    memory = plan.sender_sync_memory(TINY_MOE, TP2_EP2, _tiny_mapping(), pp_rank=0,
+                                     bucket_bytes=bucket_bytes, params_dtype="bfloat16",
+                                     generator_dtype="bfloat16")
+    assert dataclasses.asdict(memory) == expected
+    assert memory.kept == expected["buffers"] + expected["gathered"]
+    # FP32 generators: nothing is gathered in place (a cast), so the output layer (512 B in
+    # bf16) and o_proj (128 -> 256 B, plus its 256 B of scratch) are gathered too.
+    fp32 = plan.sender_sync_memory(TINY_MOE, TP2_EP2, _tiny_mapping(), pp_rank=0,
+                                   bucket_bytes=2**20, params_dtype="bfloat16",
+                                   generator_dtype="float32")
+    assert (fp32.largest_bucket, fp32.gathered) == (2816, 512 + 512 + 512)
+
+
+def test_each_stage_sends_its_own_layers():
+    arch = dataclasses.replace(TINY_MOE, num_layers=2, moe_layer_pattern=(1, 1))
+    layout = plan.TrainerLayout(world_size=2, pipeline_model_parallel_size=2)
+    first, last = (plan.stage_parameter_names(arch, layout, r) for r in (0, 1))
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" in last
+    assert {n.split(".")[2] for n in first if n.startswith("decoder.layers.")} == {"0"}
+    assert {n.split(".")[2] for n in last if n.startswith("decoder.layers.")} == {"1"}
+    # The o_proj of layer 0 is stage 0's: stage 1 sends the output layer only.
+    mapping = [g for g in _tiny_mapping() if "experts" not in g.hf_names[0]]
+    memory = plan.sender_sync_memory(arch, layout, mapping, pp_rank=1, bucket_bytes=2**20,
+                                     params_dtype="bfloat16", generator_dtype="bfloat16")
+    assert (memory.num_buckets, memory.largest_bucket, memory.gathered) == (1, 512, 0)
+
+
+def test_scout_sender_holds_the_fused_experts_by_hand(scout):
+    """Issue 30.9: Llama-4 Scout at the recipe's TP 4, PP 2, EP 8. The largest bucket is one
+    layer's experts.gate_up_proj alone, [16, 5120, 2 x 8192] bf16 = 2.5 GiB; the sender keeps
+    two such buffers and the 14 experts of the other expert-parallel ranks it gathers for it,
+    [2 x 8192, 5120] bf16 = 160 MiB each; torch.stack allocates the 2.5 GiB tensor again."""
+    layout = plan.TrainerLayout(world_size=16, tensor_model_parallel_size=4,
+                                pipeline_model_parallel_size=2, expert_model_parallel_size=8,
+                                sequence_parallel=True)
+    mapping = plan.family_mapping("llama4", "scout")
+    gate_up = 16 * 5120 * 16384 * 2
+    for pp_rank in (0, 1):
+        memory = plan.sender_sync_memory(scout, layout, mapping, pp_rank=pp_rank,
+                                         bucket_bytes=512 * 2**20, params_dtype="bfloat16",
+                                         generator_dtype="bfloat16")
+        assert gate_up == 2.5 * plan.GIB
+        assert (memory.largest_bucket, memory.buffers) == (gate_up, 2 * gate_up)
+        assert memory.gathered == 14 * 16384 * 5120 * 2
+        assert memory.conversion == gate_up
+
+
+def test_routing_imbalance_scales_the_busiest_ranks_expert_activations():
+    # SP over TP 2: 64 tokens -> 32 per rank; top-1, ETP 1; experts keep (2 H + 3 width) per
+    # routed token (fused SwiGLU) in bf16: 32 x (16 + 18) x 2 = 2176 B balanced.
+    act = plan.ActivationSettings(tokens=64)
+    balanced = plan.layer_activation_bytes(TINY_MOE, TP2_EP2, act, moe=True)
+    skewed = plan.layer_activation_bytes(TINY_MOE, TP2_EP2,
+                                         dataclasses.replace(act, routing_imbalance=1.5),
+                                         moe=True)
+    assert balanced["experts"] == 2176 and skewed["experts"] == 1.5 * 2176
+    assert {k: v for k, v in skewed.items() if k != "experts"} == \
+        {k: v for k, v in balanced.items() if k != "experts"}
+
+
+def test_the_trainer_peak_is_the_step_or_the_sync_whichever_is_larger():
+    from megatron_rl.scaling.hardware import ACCELERATORS
+
+    act = plan.ActivationSettings(tokens=64)
+    sync = plan.SenderSyncMemory(num_buckets=3, largest_bucket=768, buffers=1536, gathered=512,
+                                 conversion=768)
+
+    def trainer(conversion: int, reserved_gib: float = 0.0):
+        return plan.plan_trainer(TINY_MOE, TP2_EP2, act, hardware=ACCELERATORS["H100"],
+                                 params_dtype_bytes=2, reserved_gib=reserved_gib,
+                                 sync=[dataclasses.replace(sync, conversion=conversion)])
+
+    plain = plan.plan_trainer(TINY_MOE, TP2_EP2, act, hardware=ACCELERATORS["H100"],
+                              params_dtype_bytes=2, reserved_gib=0.0)
+    small = trainer(768)
+    assert small.components["weight sync: bucket buffers"] == 1536
+    assert small.components["weight sync: gathered tensors"] == 512
+    assert small.total == plain.total + 1536 + 512 == small.peak
+    activations = sum(v for k, v in small.components.items() if k.startswith("act: "))
+    assert small.sync_peak == small.total - activations + 768
+    large = trainer(10**9)  # a conversion larger than the step's activations sets the peak
+    assert large.peak == large.sync_peak == small.total - activations + 10**9
+    assert not trainer(10**12).fits and small.fits
+
+
 def test_scout_parameter_counts_match_the_models_formula(scout):
     from megatron_rl.platform import activate_cpu_compat
 

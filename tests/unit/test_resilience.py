@@ -72,6 +72,34 @@ def test_prune_keeps_the_newest_and_a_resave_of_a_step_replaces_it(tmp_path):
     assert ckpt.latest_valid(tmp_path / "nothing", warn=pytest.fail) is None
 
 
+def test_a_rollback_sets_the_abandoned_branch_aside_and_resumes_the_new_one(tmp_path):
+    """Issue 29.4: saved 100..400 with keep_last=3, rolled back to 200, saved 250. Without the
+    set-aside prune keeps 400, 300, 250 and latest_valid picks the old branch's 400."""
+    for step in (100, 200, 300, 400):
+        _save(tmp_path, step, payload=b"old")
+        ckpt.prune(tmp_path, keep_last=3)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == [
+        "step_000400", "step_000300", "step_000200"]
+    moved = ckpt.set_aside_newer(tmp_path, 200)  # checkpoint.load=.../step_000200
+    assert [p.name for p in moved] == ["step_000300", "step_000400"]
+    (folder,) = {p.parent for p in moved}
+    assert folder.parent == tmp_path and folder.name.startswith("abandoned-")
+    assert ckpt.latest_valid(tmp_path, warn=pytest.fail) == ckpt.checkpoint_path(tmp_path, 200)
+    _save(tmp_path, 250, payload=b"new")
+    assert ckpt.prune(tmp_path, keep_last=3) == []
+    assert ckpt.latest_valid(tmp_path, warn=pytest.fail) == ckpt.checkpoint_path(tmp_path, 250)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000250", "step_000200"]
+    # Nothing deleted: the old branch's checkpoints verify where they were moved to.
+    assert [ckpt.verify(p)["step"] for p in moved] == [300, 400]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name, "step_000200",
+                                                          "step_000250"]
+    # A second rollback in the same second gets its own folder; nothing newer: no folder.
+    again = ckpt.set_aside_newer(tmp_path, 200)
+    assert [p.name for p in again] == ["step_000250"] and again[0].parent != folder
+    assert ckpt.set_aside_newer(tmp_path, 200) == []
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("abandoned-")]) == 2
+
+
 def test_a_manifest_of_another_step_is_refused(tmp_path):
     path = _save(tmp_path, 2)
     os.rename(path, ckpt.checkpoint_path(tmp_path, 8))

@@ -6,6 +6,7 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from megatron_rl.config import load_config
 from megatron_rl.rollout.interruption import (InterruptionSettings, find_subsequence,
@@ -21,14 +22,17 @@ SETTINGS = InterruptionSettings(thinking_budget_min=5, thinking_budget=5, soluti
 
 
 class Script:
-    """Answers each request with the next scripted (tokens, finish, version) and records it."""
+    """Answers each request with the next scripted (tokens, finish, version) and records it (and
+    the extra stop tokens of each request in `stops`)."""
 
     def __init__(self, *answers):
         self.answers = list(answers)
         self.requests = []
+        self.stops = []
 
-    async def __call__(self, input_ids, max_new_tokens):
+    async def __call__(self, input_ids, max_new_tokens, *, stop_token_ids=()):
         self.requests.append((tuple(input_ids), max_new_tokens))
+        self.stops.append(tuple(stop_token_ids))
         tokens, finish, version = self.answers.pop(0)
         assert len(tokens) <= max_new_tokens
         return GenerationResult(prompt_index=0, sample_index=0, prompt_token_ids=tuple(input_ids),
@@ -75,12 +79,81 @@ def test_a_finished_first_request_is_the_whole_completion():
     assert sample.token_ids == (10, 7, 8, 30) and sample.thinking_budget == 5
 
 
-def test_no_room_left_is_a_truncation():
+def test_no_room_left_is_a_truncation_at_the_solution_budget():
+    """A marker of two tokens cannot be a server-side stop: the first request wrote 3 answer
+    tokens after "</think>" where solution_budget allows 2. The answer is cut at 2 (finish
+    "length"), not left bounded by the thinking budget."""
     settings = InterruptionSettings(thinking_budget_min=5, thinking_budget=5, solution_budget=2,
                                     phrase_ids=(90,), think_end_ids=THINK_END)
-    script = Script(((7, 8, 30, 31, 32), "length", 0))  # the answer already used 3 > 2 tokens
+    script = Script(((7, 8, 30, 31, 32), "length", 0))
     sample = _run(script, settings)
-    assert len(script.requests) == 1 and sample.truncated and not sample.interrupted
+    assert len(script.requests) == 1 and script.stops == [()]
+    assert sample.token_ids == (7, 8, 30, 31) and sample.logprobs == pytest.approx(
+        (-0.1, -0.2, -0.3, -0.4))
+    assert sample.truncated and not sample.interrupted
+
+
+def test_an_answer_after_an_early_think_end_gets_the_solution_budget_not_the_thinking_budget():
+    """The rule (docs/pipeline.md, Forced interruption): thinking <= the drawn budget B, answer
+    (after the end-of-thinking marker) <= solution_budget. With a one-token marker the thinking
+    request stops there (SGLang stop_token_ids) and the answer is a request of solution_budget
+    tokens; a model that closes its thinking at token 2 of B = 50 gets 6 answer tokens, not 48."""
+    settings = InterruptionSettings(thinking_budget_min=50, thinking_budget=50, solution_budget=6,
+                                    phrase_ids=PHRASE, think_end_ids=(7,))
+    script = Script(((10, 7), "stop", 0), ((30, 31, 32, 33, 34, 35), "length", 0))
+    sample = _run(script, settings)
+    assert script.requests == [((1, 2), 50), ((1, 2, 10, 7), 6)]
+    assert script.stops == [(7,), ()]  # only the thinking request stops at the marker
+    assert sample.token_ids == (10, 7, 30, 31, 32, 33, 34, 35) and sample.truncated
+    assert not sample.interrupted and sample.loss_mask == (1,) * 8
+    # A server that ignored the stop (SGLang does with ignore_eos) wrote 40 answer tokens in
+    # the thinking request: the completion is cut at 6 of them.
+    ignored = Script(((10, 7) + (30,) * 40, "length", 0))
+    cut = _run(ignored, settings)
+    assert len(ignored.requests) == 1 and cut.token_ids == (10, 7) + (30,) * 6
+    assert cut.finish_reason == "length"
+    # An answer that finishes within the budget, in the thinking request or after it: as is.
+    assert _run(Script(((10, 7, 30), "stop", 0)), settings).token_ids == (10, 7, 30)
+    finished = _run(Script(((10, 7), "stop", 0), ((30, 31), "stop", 0)), settings)
+    assert finished.token_ids == (10, 7, 30, 31) and finished.finish_reason == "stop"
+
+
+def test_a_cut_request_keeps_the_routed_experts_of_the_positions_it_keeps():
+    from megatron_rl.rollout.samples import truncate_segments
+
+    rows = torch.arange(6, dtype=torch.uint8).reshape(6, 1)  # prompt 2 + output 5 - 1 positions
+    segment = Segment(token_ids=(7, 8, 30, 31, 32), logprobs=(-1.0,) * 5, versions=(0,) * 5,
+                      routed_experts=rows)
+    [cut] = truncate_segments([segment, Segment(token_ids=(90,), sampled=False)], 3)
+    assert cut.token_ids == (7, 8, 30) and cut.routed_experts.tolist() == [[0], [1], [2], [3]]
+    sample = assemble_sample(group_id=0, sample_index=0, prompt_token_ids=(1, 2),
+                             segments=[cut], finish_reason="length")
+    assert sample.routed_experts.shape == (4, 1)  # prompt + completion - 1
+
+
+def test_the_interruption_phrase_is_spaced_from_a_thinking_that_does_not_end_in_whitespace():
+    """"... = -3" + "Okay, time is up." must not read "-3Okay, time is up.": the phrase is
+    appended after a space unless the thinking ends in whitespace (byte-level tokenizer: one
+    token per byte, so the bytes are the text)."""
+    rollout = load_config(None, ["rollout.thinking_budget=4", "rollout.thinking_budget_min=4",
+                                 "rollout.solution_budget=200"]).rollout
+    encode = lambda text: list(text.encode())  # noqa: E731
+    decode = lambda ids: bytes(ids).decode(errors="replace")  # noqa: E731
+    settings = InterruptionSettings.from_rollout_config(rollout, encode, decode=decode)
+    phrase = rollout.interruption_phrase
+
+    def completion(thinking: str, settings=settings) -> str:
+        thought = tuple(thinking.encode())
+        script = Script((thought, "length", 0), ((ord("7"),), "stop", 0))
+        return decode(_run(script, settings).token_ids)
+
+    assert completion("= -3") == f"= -3 {phrase}7"
+    assert completion("-3.\n") == f"-3.\n{phrase}7"  # already separated: no extra space
+    blind = InterruptionSettings.from_rollout_config(rollout, encode)  # no decode: spaced
+    assert completion("-3.\n", blind) == f"-3.\n {phrase}7"
+    with pytest.raises(ValueError, match=r"phrase \(\d+ tokens\) leaves no room"):
+        InterruptionSettings.from_rollout_config(load_config(None, [
+            f"rollout.solution_budget={len(phrase.encode()) + 1}"]).rollout, encode)
 
 
 def test_without_forced_interruption_one_request_of_the_whole_budget():

@@ -307,3 +307,217 @@ def test_every_sample_of_a_group_gets_its_own_sampling_seed():
     assert set(asyncio.run(run(99))).isdisjoint(seeds)
     unseeded = SamplingParams(max_new_tokens=1)
     assert unseeded.for_sample("train", 0, 1) is unseeded  # SGLang's own stream: already differs
+
+
+def _passed(texts, records):
+    from megatron_rl.rewards.types import Reason, RewardResult
+
+    return [RewardResult(reward=1.0, reason=Reason.CORRECT, pass_fraction=1.0)] * len(texts)
+
+
+def test_all_prompts_retired_stops_take_with_the_cause_instead_of_waiting_forever():
+    """Issue 29: 2 prompts and a scorer that passes everything: step 1 trains both, and
+    No-Positive-Resampling retires both; the admission task then has nothing to draw. Its
+    failure must reach take() (and raise_if_failed, the driver's check) naming the cause and
+    the fix, not leave take() waiting forever."""
+    async def run():
+        manager = RolloutManager(
+            clients=[ScriptedClient()], prompt_token_ids=[[5, 6]] * 2, records=[RECORD] * 2,
+            sampler=NoPositiveResamplingSampler(2, seed=0),
+            gate=AdmissionGate(StalenessSettings(max_off_policyness=0, prompts_per_step=2)),
+            params=SamplingParams(max_new_tokens=1, num_samples=2),
+            interruption=InterruptionSettings(enabled=False, thinking_budget_min=4,
+                                              thinking_budget=4, solution_budget=4),
+            score=_passed, decode=str, max_finished_groups=4)
+        manager.start()
+        try:
+            first = await asyncio.wait_for(manager.take(2), timeout=30)
+            manager.publish_version(1)
+            with pytest.raises(RolloutError) as raised:
+                await asyncio.wait_for(manager.take(2), timeout=10)
+            with pytest.raises(RolloutError):
+                manager.raise_if_failed()
+        finally:
+            await manager.stop()
+        return first, str(raised.value)
+
+    first, message = asyncio.run(run())
+    assert sorted(g.prompt_index for g in first) == [0, 1]
+    assert "all 2 prompts are retired" in message and "algorithm.npr_threshold" in message
+
+
+def test_an_admission_gate_error_reaches_take():
+    """The gate refuses a version its counts cannot explain (a driver bug: version 3 published
+    with no group trained); that ValueError is raised in the admission task, and must stop
+    take() with its message, not hang it."""
+    async def run():
+        manager = _manager(None, RECORD, params=SamplingParams(max_new_tokens=1, num_samples=2),
+                           prompts_per_step=2, score=_wrong, clients=[ScriptedClient()],
+                           num_prompts=4)
+        manager.start()
+        try:
+            manager.publish_version(3)
+            with pytest.raises(RolloutError, match="trainer version 3 means 6 groups trained"):
+                await asyncio.wait_for(manager.take(2), timeout=10)
+        finally:
+            await manager.stop()
+
+    asyncio.run(run())
+
+
+def test_no_task_exception_is_left_unretrieved_when_groups_fail_together():
+    """Two groups on one dying generator: the first one's failure takes the generator out
+    (mark_down), which cancels the second; the second's request fails as it is cancelled (its
+    connection breaks as the engine goes down), so that group ends with GeneratorDeadError
+    after it left the manager's books. That exception must be consumed, not logged at garbage
+    collection as "Task exception was never retrieved" (issue 31 item 7)."""
+    import gc
+
+    from megatron_rl.rollout.types import GeneratorDeadError
+
+    class DyingClient(ScriptedClient):
+        async def generate_one(self, input_ids, max_new_tokens, params, *, extra_key=None):
+            self.seeds.append(params.seed)
+            if len(self.seeds) == 1:  # group 0's first request
+                raise GeneratorDeadError("connection refused")
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise GeneratorDeadError("connection reset while cancelled") from None
+
+    unretrieved = []
+
+    async def run():
+        asyncio.get_running_loop().set_exception_handler(
+            lambda loop, context: unretrieved.append(context))
+        manager = _manager(None, RECORD, params=SamplingParams(max_new_tokens=1, num_samples=2),
+                           prompts_per_step=2, score=_wrong,
+                           clients=[DyingClient(), ScriptedClient()], num_prompts=4,
+                           max_off_policyness=1)  # 4 groups: 0 and 2 on the dying one
+        manager.start()
+        try:
+            groups = await asyncio.wait_for(manager.take(4), timeout=30)
+        finally:
+            await manager.stop()
+        failures = manager.take_failures()
+        del manager
+        gc.collect()
+        await asyncio.sleep(0)
+        return groups, failures
+
+    groups, failures = asyncio.run(run())
+    assert [g.group_id for g in groups] == [0, 1, 2, 3]
+    assert [(f.index, f.requeued_groups) for f in failures] == [(0, 1)]
+    assert not unretrieved, [c.get("message") for c in unretrieved]
+
+
+def test_a_stale_prompt_is_regenerated_at_most_max_requeues_times():
+    """A generator whose tokens always come out older than the bound (it lags: labels version
+    0 while the trainer is at 1, k = 0) makes every group stale. Each stale prompt is re-queued
+    `max_requeues` (2) times, then dropped; re-queueing has a cap."""
+    async def run():
+        lagging = ScriptedClient()  # labels every token version 0
+        manager = RolloutManager(
+            clients=[lagging], prompt_token_ids=[[5, 6]] * 3, records=[RECORD] * 3,
+            sampler=NoPositiveResamplingSampler(3, seed=0, enabled=False),
+            gate=AdmissionGate(StalenessSettings(max_off_policyness=0, prompts_per_step=1,
+                                                 max_requeues=2)),
+            params=SamplingParams(max_new_tokens=1, num_samples=2),
+            interruption=InterruptionSettings(enabled=False, thinking_budget_min=4,
+                                              thinking_budget=4, solution_budget=4),
+            score=_wrong, decode=str, max_finished_groups=1)
+        manager.start()
+        try:
+            await asyncio.wait_for(manager.take(1), timeout=30)  # version 0: fresh
+            manager.publish_version(1)
+            taking = asyncio.ensure_future(manager.take(1))  # never fresh: keeps discarding
+            for _ in range(500):
+                if manager.gate.num_dropped >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            taking.cancel()
+            await asyncio.gather(taking, return_exceptions=True)
+        finally:
+            await manager.stop()
+        return manager.take_discarded(), manager.gate
+
+    discarded, gate = asyncio.run(run())
+    decisions = [(prompt, decision) for _, prompt, decision in discarded]
+    first, second = decisions[0][0], decisions[3][0]
+    assert decisions[:6] == [(first, "requeue"), (first, "requeue"), (first, "drop"),
+                             (second, "requeue"), (second, "requeue"), (second, "drop")]
+    assert gate.num_dropped >= 2 and gate.num_outstanding <= 1
+
+
+def test_a_requeued_prompt_retired_meanwhile_is_not_regenerated():
+    """A stale prompt waits for re-admission; meanwhile No-Positive-Resampling retired it
+    (another group of it passed). Resumed from that state, the manager draws the next prompt
+    from the sampler instead of regenerating the retired one; and the gate drops, rather than
+    re-queues, a stale group whose prompt is retired."""
+    async def first_run():
+        manager = _manager(None, RECORD, params=SamplingParams(max_new_tokens=1, num_samples=2),
+                           prompts_per_step=1, score=_wrong, clients=[ScriptedClient()],
+                           num_prompts=3)
+        return manager.state_dict()
+
+    state = asyncio.run(first_run())
+    state["requeued"] = [(0, 1)]
+    state["sampler"]["retired"] = [0]
+
+    async def resumed():
+        manager = _manager(None, RECORD, params=SamplingParams(max_new_tokens=1, num_samples=2),
+                           prompts_per_step=1, score=_wrong, clients=[ScriptedClient()],
+                           num_prompts=3)
+        manager.load_state_dict(state)
+        manager.start()
+        try:
+            return await asyncio.wait_for(manager.take(1), timeout=30)
+        finally:
+            await manager.stop()
+
+    [group] = asyncio.run(resumed())
+    assert group.prompt_index != 0
+    gate = AdmissionGate(StalenessSettings(max_off_policyness=0, prompts_per_step=1))
+    gate.on_admit(0)
+    assert gate.on_take(0, 0) == "fresh"
+    gate.on_admit(1)
+    assert gate.on_take(0, 1, retired=True) == "drop" and gate.num_requeued == 0
+
+
+def test_requests_after_a_restore_use_a_new_prefix_cache_key():
+    """After a trainer restore the versions are redone with other weights: version n's KV
+    cached before the restore must not serve them. Every load_state_dict begins a new
+    incarnation of the prefix-cache key (`prefix_cache_key`, which validation uses too)."""
+    class KeyRecordingClient(ScriptedClient):
+        def __init__(self):
+            super().__init__()
+            self.keys = []
+
+        async def generate_one(self, input_ids, max_new_tokens, params, *, extra_key=None):
+            self.keys.append(extra_key)
+            return await super().generate_one(input_ids, max_new_tokens, params)
+
+    client = KeyRecordingClient()
+
+    async def run(state=None):
+        manager = _manager(None, RECORD, params=SamplingParams(max_new_tokens=1, num_samples=2),
+                           prompts_per_step=1, score=_wrong, clients=[client], num_prompts=2)
+        if state is not None:
+            manager.load_state_dict(state)
+        before = manager.state_dict()
+        manager.start()
+        try:
+            await asyncio.wait_for(manager.take(1), timeout=30)
+        finally:
+            await manager.stop()
+        return manager, before
+
+    first, initial = asyncio.run(run())
+    keys_before = set(client.keys)
+    client.keys.clear()
+    restored, _ = asyncio.run(run(initial))  # the restore point: version 0 again
+    assert keys_before == {first.prefix_cache_key(0)}
+    assert set(client.keys) == {restored.prefix_cache_key(0)}
+    assert first.prefix_cache_key(0) != restored.prefix_cache_key(0)
+    restored.load_state_dict(restored.state_dict())  # a second restore: yet another key
+    assert len({first.prefix_cache_key(0), restored.prefix_cache_key(0), "v0"}) == 3

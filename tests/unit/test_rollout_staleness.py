@@ -73,6 +73,25 @@ def test_take_time_boundary_oldest_v_minus_k_is_fresh_one_older_is_stale():
             ((4, 1, 0) if stale_policy == "requeue" else (4, 0, 1))
 
 
+def test_a_stale_group_is_requeued_at_most_max_requeues_times_and_never_when_retired():
+    """Re-queueing has a cap: a stale group whose prompt was regenerated max_requeues times
+    already, or whose prompt No-Positive-Resampling retired, is dropped (counted as dropped)."""
+    gate = AdmissionGate(StalenessSettings(max_off_policyness=0, prompts_per_step=1,
+                                           max_requeues=2))
+    gate.on_admit(0)
+    assert gate.on_take(0, 0) is TakeDecision.FRESH
+    decisions = []
+    for times_requeued, retired in ((0, False), (1, False), (2, False), (0, True)):
+        gate.on_admit(1)
+        decisions.append(gate.on_take(0, 1, times_requeued=times_requeued, retired=retired))
+    assert decisions == [TakeDecision.REQUEUE, TakeDecision.REQUEUE, TakeDecision.DROP,
+                         TakeDecision.DROP]
+    assert (gate.num_requeued, gate.num_dropped, gate.num_outstanding) == (2, 2, 0)
+    with pytest.raises(ValueError, match="times_requeued must be an int >= 0"):
+        gate.on_admit(1)
+        gate.on_take(0, 1, times_requeued=-1)
+
+
 def test_a_discarded_group_gives_its_admission_slot_back():
     gate = _gate(k=1, per_step=1, stale_policy="drop")
     assert _admit_all(gate, 0) == 2
@@ -136,6 +155,7 @@ def test_misuse_is_an_error_naming_what_went_wrong():
     (dict(max_off_policyness=-1), "max_off_policyness must be an int >= 0, got -1"),
     (dict(max_off_policyness=True), "max_off_policyness must be an int >= 0, got True"),
     (dict(prompts_per_step=0), "prompts_per_step must be an int >= 1, got 0"),
+    (dict(max_requeues=-1), "max_requeues must be an int >= 0, got -1"),
 ])
 def test_settings_errors_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -458,7 +478,7 @@ def test_settings_from_the_run_config():
 
     run = load_config(None, ["rollout.mode=ppo_off_policy", "rollout.max_off_policyness=4",
                              "rollout.stale_group_policy=drop", "train.global_batch_size=64",
-                             "rollout.samples_per_prompt=16"])
+                             "rollout.samples_per_prompt=16", "rollout.max_requeues=5"])
     settings = StalenessSettings.from_run_config(run)
     assert (settings.mode, settings.max_off_policyness, settings.prompts_per_step,
-            settings.stale_policy) == ("ppo_off_policy", 4, 4, "drop")
+            settings.stale_policy, settings.max_requeues) == ("ppo_off_policy", 4, 4, "drop", 5)

@@ -94,6 +94,59 @@ def test_fit_errors_for_missing_path_and_single_curve_compare(tmp_path, capsys):
     assert "--compare needs at least two curves" in capsys.readouterr().err
 
 
+def _fit_rows(printed: str, run: str) -> dict[str, list[str]]:
+    """Fit-table cells per task of `run`'s rows (run, task, R0, A, B, C_mid, points, warm-up
+    excl., RMSE)."""
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in printed.splitlines()
+            if f"│ {run}" in line]
+    return {cells[1]: cells for cells in rows}
+
+
+def _recipe(run_dir: Path, warmup_gpu_hours: float) -> None:
+    from megatron_rl.config import load_config, save_config
+
+    save_config(load_config(None, [f"eval.warmup_compute_gpu_hours={warmup_gpu_hours}"]),
+                run_dir / "config.yaml")
+
+
+def test_fit_defaults_the_warmup_to_the_runs_recipe_and_the_flag_wins(tmp_path, capsys):
+    """Issue 29.6: `megatron-rl fit RUN_DIR` excludes the run's eval.warmup_compute_gpu_hours.
+    Validations every 40 GPU-hours from 0 to 1600: a 600 warm-up excludes the 14 points at
+    40..560 (C = 0 is R0, never fitted) and fits the 26 at 600..1600."""
+    run = make_run(tmp_path / "recipe_run")
+    _recipe(run, 600.0)
+    args = [str(run), "--no-plots", "--num-bootstrap", "0"]
+    assert fit_main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"points below 600 GPU-hours excluded (eval.warmup_compute_gpu_hours of " \
+           f"{run / 'config.yaml'})" in printed
+    assert [row[6:8] for row in _fit_rows(printed, "recipe_run").values()] == [["26", "14"]] * 2
+    assert fit_main(args + ["--warmup-gpu-hours", "0"]) == 0  # the explicit flag wins
+    printed = capsys.readouterr().out
+    assert "points below 0 GPU-hours excluded (--warmup-gpu-hours)" in printed
+    assert [row[6:8] for row in _fit_rows(printed, "recipe_run").values()] == [["40", "0"]] * 2
+    # A log file carries no recipe: no warm-up, and the output says why.
+    assert fit_main([str(run / "scaling.jsonl"), "--no-plots", "--num-bootstrap", "0"]) == 0
+    assert "points below 0 GPU-hours excluded (default: no run directory with a config.yaml)" \
+        in capsys.readouterr().out
+
+
+def test_fit_refuses_runs_whose_recipes_disagree_on_the_warmup(tmp_path, capsys):
+    runs = [make_run(tmp_path / name) for name in ("a", "b")]
+    for run, warmup in zip(runs, (600.0, 800.0)):
+        _recipe(run, warmup)
+    assert fit_main([*map(str, runs), "--no-plots", "--num-bootstrap", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.warmup_compute_gpu_hours differ" in err and "pass --warmup-gpu-hours" in err
+    assert fit_main([*map(str, runs), "--no-plots", "--num-bootstrap", "0",
+                     "--warmup-gpu-hours", "700"]) == 0
+    (runs[0] / "config.yaml").write_text("eval: {warmup_compute_gpu_hours: -1}\n")
+    assert fit_main([str(runs[0]), "--no-plots", "--num-bootstrap", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "config.yaml" in err and "warmup_compute_gpu_hours" in err \
+        and "pass --warmup-gpu-hours to fit without reading it" in err
+
+
 def test_efficiency_transform_is_c_to_the_b_on_the_model():
     from megatron_rl.scaling.plots import efficiency_points
 

@@ -170,3 +170,46 @@ def test_the_compute_axis_goes_on_through_an_in_run_trainer_restore(tmp_path):
     resumed.metrics = RunMetrics(run.cfg, tmp_path, clients=[], num_devices=10)
     resumed._restore(tmp_path / "step_000004", state)
     assert resumed.metrics.compute_gpu_hours == 10.0  # the clock starts with the first step
+
+
+def test_a_run_resumed_from_an_explicit_older_checkpoint_sets_the_newer_ones_aside(tmp_path):
+    """Issue 29.4, the run's side: resuming with checkpoint.load=.../step_000200 moves the
+    abandoned branch's step_000300 and step_000400 aside (nothing deleted), so the next
+    automatic resume takes the new branch; an automatic resume (load null) moves nothing."""
+    from megatron_rl.resilience import checkpoint as run_checkpoint
+    from megatron_rl.resilience.run_checkpoints import start_branch
+
+    root = tmp_path / "checkpoints"
+    for step in (200, 300, 400):
+        root.mkdir(exist_ok=True)
+        staging = run_checkpoint.partial_path(root, step)
+        staging.mkdir()
+        (staging / "run_state.pkl").write_bytes(pickle.dumps({"step": step}))
+        run_checkpoint.commit(staging, run_checkpoint.checkpoint_path(root, step), step=step)
+    start_branch(_cfg(f"output_dir={tmp_path}"), root, 200)  # load null: an ordinary resume
+    assert sorted(p.name for p in run_checkpoint.list_checkpoints(root)) == [
+        "step_000200", "step_000300", "step_000400"]
+    start_branch(_cfg(f"output_dir={tmp_path}", f"checkpoint.load={root / 'step_000200'}"),
+                 root, 200)
+    assert [p.name for p in run_checkpoint.list_checkpoints(root)] == ["step_000200"]
+    assert run_checkpoint.latest_valid(root, warn=print).name == "step_000200"
+    aside = [p for p in root.iterdir() if p.name.startswith("abandoned-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == [
+        "step_000300", "step_000400"]
+
+
+def test_generation_before_the_step_zero_validation_is_on_the_compute_axis(tmp_path):
+    """Issue 29.7d: the generators start on the training groups before validate(0) and the
+    first step; that compute is spent. The clock starts with them, and the progress bar (after
+    validate(0)) does not restart it (it used to: everything before it was off the axis)."""
+    import time
+
+    from megatron_rl.metrics import RunMetrics
+
+    metrics = RunMetrics(_cfg(f"output_dir={tmp_path}"), tmp_path, clients=[], num_devices=2)
+    assert metrics.compute_gpu_hours == 0.0  # nothing spent before the generators start
+    metrics.start_clock()
+    metrics._compute_start -= 1800  # half an hour of generation and validation(0)
+    metrics.progress(range(3))
+    assert 1.0 <= metrics.compute_gpu_hours < 1.01
+    metrics.close()

@@ -1,5 +1,7 @@
 """Trainer configuration without a GPU: precision / Transformer Engine / FP8 recipe selection,
 parallel-layout checks, the optimizer defaults and RunConfig -> TrainerSettings."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,6 +27,37 @@ def test_fp8_recipe_selection_with_transformer_engine(recipe, megatron_recipe):
     assert choice.overrides["fp8"] == "hybrid"
     assert choice.overrides["fp8_recipe"] == megatron_recipe
     assert choice.overrides["bf16"] is True and choice.overrides["params_dtype"] == torch.bfloat16
+
+
+def test_delayed_fp8_scaling_keeps_an_amax_history(monkeypatch):
+    """Delayed scaling reaches the TransformerConfig with 1024 steps of amax history, scaled by
+    their max (Megatron's default is a history of 1); the other recipes keep Megatron's defaults,
+    which they do not read. The config path is the trainer's: precision_overrides -> the family's
+    transformer_config."""
+    from megatron_rl.platform import activate_cpu_compat
+
+    activate_cpu_compat()
+    from megatron.core.transformer import transformer_config as tc
+
+    from models import get_model_family
+
+    # TransformerConfig refuses MoE + FP8 unless TE >= 1.7 is installed; TE cannot be installed
+    # on CPU, so let its version query report a TE-bearing machine.
+    monkeypatch.setattr(tc, "is_te_min_version", lambda *args, **kwargs: True)
+    family = get_model_family("llama4")
+
+    def config(recipe):
+        choice = precision_overrides("bf16", fp8_recipe=recipe, transformer_engine_available=True)
+        return family.transformer_config("tiny", use_transformer_engine=True, **choice.overrides)
+
+    delayed = config("delayed")
+    assert (delayed.fp8, delayed.fp8_recipe) == ("hybrid", "delayed")
+    assert (delayed.fp8_amax_history_len, delayed.fp8_amax_compute_algo) == (1024, "max")
+    defaults = {f.name: f.default for f in dataclasses.fields(tc.TransformerConfig)}
+    assert (defaults["fp8_amax_history_len"], defaults["fp8_amax_compute_algo"]) == (
+        1, "most_recent")
+    mxfp8 = config("mxfp8")
+    assert (mxfp8.fp8, mxfp8.fp8_recipe, mxfp8.fp8_amax_history_len) == ("e4m3", "mxfp8", 1)
 
 
 def test_layer_spec_backend_follows_availability():

@@ -2,12 +2,14 @@
 generator calls, retries while the generators stay paused, never continuing after a partial
 load, the prefix-cache flush per pause mode; and the SGLang client's side of it (no version on a
 bucket, /update_weight_version without aborting, extra_key, the overlap-schedule flag, a failed
-generator refusing calls). One process: a world of one gloo rank, a recording generator behind
-the real colocated-tensor transport, the real bucket plan, and a stand-in for the Megatron
-gather."""
+generator refusing calls); the version a retry publishes; the colocated transport never writing
+memory it handed over; the distributed transport's time split. One process: a world of one gloo
+rank, a recording generator behind the real colocated-tensor transport, the real bucket plan, and
+a stand-in for the Megatron gather."""
 import http.server
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -234,22 +236,149 @@ def test_a_failure_before_any_bucket_continues_on_the_old_weights(world):
     assert generator.failure is None and sync.version == 0
 
 
+class _EndRefused(Recorder):
+    """Loads every bucket, then refuses `end_weight_update` the first `times` times."""
+
+    def __init__(self, times: int):
+        super().__init__()
+        self.refusals = times
+
+    def end_weight_update(self):
+        super().end_weight_update()
+        if self.refusals:
+            self.refusals -= 1
+            raise GeneratorError("end_weight_update refused")
+
+
+def test_a_retry_after_a_failed_end_publishes_the_next_version_once(world):
+    """Issue 29.7a. Every bucket loaded but the generator could not end the update: the sync
+    fails without advancing the version (as every failed sync), and the retry (after the driver
+    restarted the failed generator) labels the same new weights v + 1 again, not v + 2, which the
+    admission gate would refuse (it has seen one optimizer step, not two)."""
+    generator = _EndRefused(times=3)  # update_attempts = 3: every attempt at ending fails
+    sync = _sync([generator])
+    with pytest.raises(WeightSyncError, match="ending the update"):
+        sync.sync()
+    assert generator.failure is not None and generator.names().count("end") == 3
+    assert sync.version == 0
+    generator._failure = None  # restarted: the same client reaches a fresh engine
+    report = sync.sync()
+    assert report.version == sync.version == generator.weight_version == 1
+    assert sync.sync().version == 2
+
+
+class _Keeper(Recorder):
+    """Keeps every tensor it was handed with its value at hand-over, as an engine does whose
+    copies from that memory may still be queued on the GPU when it replies."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept: list[list[tuple[str, torch.Tensor, torch.Tensor]]] = []
+
+    def update_weights_from_tensors(self, named_tensors, *, version=None, flush_cache=True):
+        super().update_weights_from_tensors(named_tensors, version=version,
+                                            flush_cache=flush_cache)
+        self.kept.append([(name, t, t.clone()) for name, t in named_tensors])
+
+
+class _NewValues(_Gatherer):
+    """Every gather gives new values, so a bucket written over another one shows."""
+
+    def __init__(self):
+        self.num_gathers = 0
+
+    def gather(self, names, *, into=None, arena=None):
+        self.num_gathers += 1
+        full = {name: torch.full(SHAPES[name], 10.0 * self.num_gathers + i)
+                for i, name in enumerate(names)}
+        for name, slot in (into or {}).items():
+            slot.copy_(full[name])
+            full[name] = slot
+        return full
+
+
+def test_tensor_transport_never_writes_memory_it_handed_to_the_engine(world):
+    """Issue 30.7: SGLang replies to /update_weights_from_tensor after a CPU barrier, so the
+    engine may still read a bucket after its reply; no later bucket (of this sync or the next)
+    may be written into memory already handed over."""
+    generator = _Keeper()
+    sync = _sync([generator])
+    sync.gatherer = _NewValues()
+    sync.sync()
+    sync.sync()  # bucket memory kept from the first sync must not come back either
+    assert len(generator.kept) == 8
+    for bucket in generator.kept:
+        for name, tensor, at_hand_over in bucket:
+            assert torch.equal(tensor, at_hand_over), f"{name} was overwritten after hand-over"
+    storages = {tensor.untyped_storage().data_ptr()
+                for bucket in generator.kept for _, tensor, _ in bucket}
+    assert len(storages) == len(generator.kept)  # one memory block per bucket
+
+
+def test_distributed_transfer_time_waits_for_the_device(monkeypatch):
+    """Minor of issue 30: an NCCL broadcast returns once queued, so the sender waits for the
+    device before reading the clock; otherwise the transfer shows ~0 s and the generators' load
+    time absorbs it. The GPU's queue is simulated: the broadcast returns at once and the wait
+    for the device takes the transfer's time (gloo on CPU has no queue to show it)."""
+    from megatron_rl.weight_sync import DistributedTransport, transport
+    from megatron_rl.weight_sync.buckets import Bucket
+
+    transfer_s = 0.5
+    queued = []
+    monkeypatch.setattr(transport.dist, "broadcast",
+                        lambda tensor, src, group: queued.append(tensor.numel()))
+
+    def wait_for_device(device):
+        if queued:
+            queued.clear()
+            time.sleep(transfer_s)
+
+    monkeypatch.setattr(transport, "_wait_for_device", wait_for_device, raising=False)
+
+    class Receiver:
+        num_ranks = 1
+
+        def update_weights_from_distributed(self, specs, **kwargs):
+            pass
+
+    sender = DistributedTransport([Receiver()], master_address="127.0.0.1", master_port=1,
+                                  group_name="g", backend="gloo", timeout_s=10)
+    spec = TensorSpec(name="w", dtype=torch.float32, shape=(4,))
+    sender.send(Bucket(specs=(spec,), data=torch.zeros(16, dtype=torch.uint8)), version=None,
+                flush_cache=False)
+    assert sender.times.transfer >= transfer_s
+    assert sender.times.load < transfer_s
+
+
 # ---------------------------------------------------------------------- the SGLang client
 
 class _Recording(http.server.BaseHTTPRequestHandler):
     requests: list = []
+    open_session = False  # an engine left with an open weight-update session (SGLang's state)
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
         self.requests.append((self.path, body))
         answer = {"success": True, "message": "ok"}
+        if self.path in ("/begin_weight_update", "/end_weight_update"):
+            begin = self.path == "/begin_weight_update"
+            if begin == type(self).open_session:  # SGLang 0.5.23's refusals, HTTP 400
+                answer = {"success": False, "message": (
+                    "a weight-update session is already open; call end_weight_update() first"
+                    if begin else "no weight-update session is open; call "
+                    "begin_weight_update() first")}
+                return self._answer(answer, status=400)
+            type(self).open_session = begin
         if self.path == "/generate":
             answer = [{"output_ids": [7], "meta_info": {
                 "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 7, None]],
                 "weight_versions": [{"version": "3", "start": 0, "end": 1}]}}
                 for _ in body["input_ids"]]
+        self._answer(answer)
+
+    def _answer(self, answer, status=200):
         data = json.dumps(answer).encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -261,11 +390,49 @@ class _Recording(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def recording_server():
-    _Recording.requests = []
+    _Recording.requests, _Recording.open_session = [], False
     server = http.server.HTTPServer(("127.0.0.1", 0), _Recording)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}", _Recording.requests
     server.shutdown()
+
+
+def test_a_session_left_open_by_a_dead_sender_is_ended_before_the_next_update(
+        recording_server):
+    """The chaos e2e's trainer SIGKILL landed mid-sync: the engine kept the dead sender's open
+    weight-update session, and SGLang refused the restored trainer's sync (HTTP 400, "a
+    weight-update session is already open"), stopping the run. The next begin ends it first."""
+    url, requests = recording_server
+    _Recording.open_session = True  # what the dead sender left
+    client = SGLangGenerator(url)
+    client.begin_weight_update()
+    client.end_weight_update()
+    assert [path for path, _ in requests] == ["/begin_weight_update", "/end_weight_update",
+                                              "/begin_weight_update", "/end_weight_update"]
+    with pytest.raises(GeneratorError, match="no weight-update session is open"):
+        client.end_weight_update()  # other refusals still raise
+
+
+def test_client_tensor_payload_is_one_serialisation_per_engine_rank(recording_server,
+                                                                     monkeypatch):
+    """Issue 30.7: SGLang's /update_weights_from_tensor takes one serialisation per engine rank
+    (each rank deserialises only its own, and a CUDA tensor's IPC reference is given back once
+    per payload); the old client sent one payload copied to every rank."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    url, requests = recording_server
+    calls, serialize = [], MultiprocessingSerializer.serialize
+    monkeypatch.setattr(MultiprocessingSerializer, "serialize", staticmethod(
+        lambda obj, output_str=False: calls.append(1) or serialize(obj, output_str=output_str)))
+    tensor = torch.arange(4.0)
+    SGLangGenerator(url, num_ranks=2).update_weights_from_tensors(
+        [("model.norm.weight", tensor)], flush_cache=False)
+    (path, body), = requests
+    assert path == "/update_weights_from_tensor" and len(calls) == 2
+    assert len(body["serialized_named_tensors"]) == 2
+    for payload in body["serialized_named_tensors"]:
+        (name, got), = MultiprocessingSerializer.deserialize(payload)
+        assert name == "model.norm.weight" and torch.equal(got, tensor)
 
 
 def test_client_buckets_carry_no_version_and_the_label_aborts_nothing(recording_server):
