@@ -26,11 +26,11 @@ from megatron_rl.resilience.recovery import RunStopped, TrainerFailure, trainer_
 from megatron_rl.resilience.run_checkpoints import (put_back_files, read_run_state,
                                                     restored_files, resume_point, start_branch)
 
+
 class RunSetup:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.step = 0
-        self.version = 0
+        self.step = self.version = 0  # optimizer steps done; the generators' policy version
         self._stack = contextlib.ExitStack()
         self._initial: tuple[dict, dict[str, bytes]] | None = None  # restore point, step 0
         self._wait_s = 0.0  # the last take_groups' wait
