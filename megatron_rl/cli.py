@@ -13,6 +13,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_rl.train", "run ScaleRL under the Pipeline-RL schedule from a recipe"),
     "fit": ("megatron_rl.scaling.cli", "fit compute-scaling curves to validation logs"),
+    "sweep": ("megatron_rl.scaling.sweep", "run recipe variants x seeds, fit and rank them"),
     "cost": ("megatron_rl.scaling.cost", "estimate GPU-hours and the generator:trainer split"),
     "plan": ("megatron_rl.scaling.plan", "per-device memory of a recipe's trainer and generators"),
     "convert": ("megatron_rl.convert", "convert checkpoints between HF and Megatron"),

@@ -398,6 +398,12 @@ class RolloutConfig:
         "pipeline", "asynchrony: Pipeline-RL with in-flight weight updates, or the "
         "PPO-off-policy-k baseline (SCALERL.md section 7)")
     num_generators: int = _field(1, "number of generator engines", ge=1)
+    min_generators: int | None = _field(
+        1, "engines the run needs in the rotation: it goes on with any number in "
+        "[min_generators, num_generators] (the engines of a lost node, or given up after "
+        "max_generator_restarts, leave the rotation; lost ones are re-created when Ray can place "
+        "them again); below it, it waits up to engine_start_timeout_s for placement, then stops "
+        "(docs/fault_tolerance.md). null: num_generators (no engine may be missing)", ge=1)
     samples_per_prompt: int = _field(16, "G: completions sampled per prompt (the group of the "
                                      "group-relative advantage)", ge=2)
     max_prompt_tokens: int = _field(2048, "longest prompt in tokens (part of the sequence "
@@ -457,6 +463,14 @@ class RolloutConfig:
         "forward per step) for train/logp_mismatch_without_replay, the mismatch replay removes")
     health_check_interval_s: float = _field(10.0, "how often every generator is health-checked "
                                             "while the trainer waits for groups", gt=0.0)
+    health_check_timeout_s: float = _field(
+        30.0, "longest wait for one health check's answers (the Ray call and /server_info); a "
+        "generator that does not answer within it fails that check", gt=0.0)
+    engine_start_timeout_s: float = _field(
+        900.0, "longest wait for one generator engine to start (server up, weights loaded, "
+        "answering): at launch, at a restart and when re-created on another node; also how "
+        "long the run goes on below min_generators waiting for Ray to place engines. A large "
+        "checkpoint on GPU takes minutes", ge=10.0)
     max_generator_restarts: int = _field(3, "restarts of one generator in a row (with backoff; "
                                          "a restart that fails again within 5 minutes counts "
                                          "on) before it is given up; the run goes on without "
@@ -486,6 +500,10 @@ class RolloutConfig:
         _require(self.mode != "ppo_off_policy" or self.max_off_policyness >= 1,
                  "rollout.max_off_policyness: ppo_off_policy takes k >= 1 optimizer steps per "
                  "generated batch; got 0")
+        _require(self.min_generators is None or self.min_generators <= self.num_generators,
+                 f"rollout.min_generators: {self.min_generators} exceeds rollout.num_generators "
+                 f"({self.num_generators}); give a number in [1, {self.num_generators}] or null "
+                 "(all of them)")
         _require(self.tp_size % self.ep_size == 0,
                  f"rollout.ep_size: {self.ep_size} must divide rollout.tp_size ({self.tp_size}) "
                  "(SGLang splits each generator's TP group into expert-parallel groups)")
@@ -495,6 +513,11 @@ class RolloutConfig:
                      f"rollout.attention_backend: {self.attention_backend!r} is not an SGLang "
                      f"attention backend; choose one of {', '.join(backends or ())} or null"
                      f"{_suggest(self.attention_backend, backends or ())}")
+
+    @property
+    def min_engines(self) -> int:
+        """min_generators resolved: the engines the run needs in the rotation."""
+        return self.num_generators if self.min_generators is None else self.min_generators
 
     @property
     def max_response_tokens(self) -> int:
@@ -526,6 +549,10 @@ class WeightSyncConfig:
         "KV cache (Pipeline-RL), retract requeues them, abort ends them, none does not pause")
     timeout_s: float = _field(600.0, "longest wait for the generators at any point of a sync",
                               gt=0.0)
+    sync_timeout_s: float = _field(
+        1800.0, "the driver's wait for one whole sync on the trainer ranks (every bucket and "
+        "retry; also connecting to the engines and a restarted engine's first sync); past it "
+        "the trainer counts as hung and is restored. At least timeout_s", gt=0.0)
     update_attempts: int = _field(3, "tries of one update's loading (each over a rebuilt "
                                   "weight-update group) while the generators stay paused; then "
                                   "they are failed by name, never resumed half-loaded", ge=1)
@@ -534,6 +561,10 @@ class WeightSyncConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        _require(self.sync_timeout_s >= self.timeout_s,
+                 f"weight_sync.sync_timeout_s: {self.sync_timeout_s:g} is shorter than "
+                 f"weight_sync.timeout_s ({self.timeout_s:g}), the wait at one point of a sync; "
+                 "raise it")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -636,6 +667,14 @@ class TrainConfig:
         "for a non-finite loss or gradient; 0 = never stop", ge=0)
     step_timeout_s: float = _field(3600.0, "a trainer step (or weight sync) not done in this "
                                    "time counts as a hung trainer rank", gt=0.0)
+    start_timeout_s: float = _field(900.0, "longest wait for the trainer ranks to start (Ray "
+                                    "places them, torch.distributed, the model is built)",
+                                    gt=0.0)
+    graceful_stop_timeout_s: float = _field(
+        300.0, "after a first SIGTERM / SIGINT: how long a trainer call under way (a step, a "
+        "weight sync, a checkpoint) may take to finish before the run stops without a new "
+        "checkpoint (waits for generation are abandoned at once); below the scheduler's grace "
+        "period", gt=0.0)
     max_trainer_restarts: int = _field(3, "times the trainer ranks are restarted from the last "
                                        "checkpoint after a rank died or hung; then the run "
                                        "stops", ge=0)
@@ -715,6 +754,9 @@ class CheckpointConfig:
         "start fresh (output_dir must not hold a previous run)")
     format: Literal["torch_dist"] = _field("torch_dist", "checkpoint format (Megatron "
                                            "ckpt_format; resharding across parallel layouts)")
+    timeout_s: float = _field(1800.0, "longest wait for the trainer ranks to write a checkpoint "
+                              "(or finish writing an asynchronous one) or to load one; past "
+                              "it the trainer counts as hung", gt=0.0)
     async_save: Literal["auto", "always", "never"] = _field(
         "auto", "write the trainer's shards in the background while training goes on (Megatron "
         "async save; the checkpoint is committed once they are complete): auto = where the "
@@ -731,7 +773,8 @@ class DataConfig:
     split saved with save_to_disk; in megatron_rl's layout with any mix of tasks, verl's, or
     question/answer: docs/data.md) or `rg/<dataset>`, problems generated by reasoning-gym's
     procedural dataset (graded by its own scorer). eval.num_heldout_prompts of them are held out
-    for validation (split per task, deterministic in the run's seed)."""
+    for validation (split per task, deterministic in data.split_seed, by default the run's
+    seed)."""
 
     SECTION: ClassVar[str] = "data"
 
@@ -740,6 +783,9 @@ class DataConfig:
                           "them (docs/data.md)")
     num_generated_prompts: int = _field(2000, "rg/<dataset>: how many problems to generate "
                                         "(training + held out)", ge=2)
+    split_seed: int | None = _field(
+        None, "the seed of the held-out split and of rg/<dataset> problems; null: the run's "
+        "seed. Fixed across a sweep's seeds, every seed validates on the same problems", ge=0)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -764,7 +810,8 @@ class ClusterConfig:
     colocated: bool = _field(False, "trainer ranks and generators share devices: generation and "
                              "training alternate, the generators' memory released during "
                              "training (needs a synchronous schedule, rollout.num_generators x "
-                             "rollout.tp_size = parallelism.world_size, and on GPU "
+                             "rollout.tp_size = parallelism.world_size, "
+                             "rollout.mem_fraction_static set, and on GPU "
                              "weight_sync.transport=tensor); false = disaggregated")
     num_cpus: int | None = _field(None, "local cluster: the CPUs Ray offers (each CPU trainer "
                                   "rank and generator takes one; more than the machine has "
@@ -853,6 +900,11 @@ class RunConfig:
                  f"cluster.colocated: the generators' devices (rollout.num_generators "
                  f"{self.rollout.num_generators} x rollout.tp_size {self.rollout.tp_size}) must be "
                  f"the trainer's (parallelism.world_size {par.world_size})")
+        _require(not self.cluster.colocated or self.rollout.mem_fraction_static is not None,
+                 "cluster.colocated: rollout.mem_fraction_static is null, so each engine would "
+                 "take SGLang's default share of devices the trainer ranks also hold; set "
+                 "rollout.mem_fraction_static (`megatron-rl plan RECIPE.yaml` reports the "
+                 "largest that fits beside the trainer)")
         _require(par.context_parallel_size == 1 or self.model.use_transformer_engine,
                  f"parallelism.context_parallel_size: {par.context_parallel_size} needs "
                  "Transformer Engine attention on a GPU (model.use_transformer_engine=true); the "

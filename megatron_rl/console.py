@@ -75,6 +75,11 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         "params, which for fp32 models are views of the model params (non-leaf); it only tests "
         "for None, and the gradients live in main_grad"),
     KnownWarning(
+        "TypedStorage is deprecated. It will be removed in the future",
+        "megatron-core 0.19.2's offload_grad_buffers / restore_grad_buffers (colocated runs "
+        "free the trainer's gradient buffers between steps) resize them through "
+        "tensor.storage(); torch 2.13 still supports it"),
+    KnownWarning(
         "The argument order of load has been changed.",
         "megatron-core 0.19.2 calls torch.distributed.checkpoint.load with keywords"),
     KnownWarning(

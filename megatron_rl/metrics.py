@@ -1,6 +1,7 @@
 """A training run's step metrics and where they go: the rollout metrics of a step's groups,
 generator and trainer utilisation over the window since the previous log, TensorBoard, the
-compute-scaling log, the progress bar, and the compute axis of the scaling curve.
+compute-scaling log, the progress bar (with the generator engines in the rotation, which a lost
+node lowers until its engines are placed again), and the compute axis of the scaling curve.
 
 The compute axis (docs/pipeline.md) is device-hours spent on training: (trainer ranks + generator
 devices) x wall time since the generators started on the training groups (on CPU, processes stand
@@ -126,7 +127,10 @@ class RunMetrics:
                 "train/routing_flip_fraction": step.routing_flip_fraction,
                 "train/logp_mismatch_without_replay": step.logp_mismatch_without_replay,
                 "perf/train_seconds": seconds,
-                "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)}
+                "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)} | (
+            # colocated: what the trainer released for generation (trainer.py offload)
+            {"colocated/trainer_offloaded_gib": step.offloaded_bytes / 2**30}
+            if step.offloaded_bytes else {})
 
     def add_paused_busy(self, seconds: float) -> None:
         """Generator-seconds that requests in flight spent held by a weight-update pause."""
@@ -163,8 +167,9 @@ class RunMetrics:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(tag, value, step)
             self.writer.flush()
+        engines = metrics.get("rollout/engines_in_rotation", self.cfg.rollout.num_generators)
         self._progress.set_postfix(
             reward=f"{metrics.get('rollout/reward_mean', math.nan):.2f}",
             gen_busy=f"{metrics['perf/generator_busy_fraction']:.2f}",
             trainer_idle=f"{metrics.get('perf/trainer_idle_fraction', math.nan):.2f}",
-            version=version)
+            engines=f"{engines:.0f}/{self.cfg.rollout.num_generators}", version=version)

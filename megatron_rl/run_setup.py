@@ -139,12 +139,13 @@ class RunSetup:
             decode=self.tokenizer.decode,
             max_finished_groups=self.gate.settings.max_outstanding_groups, seed=cfg.seed)
         self.health = GeneratorHealth(
-            cfg, self.out, generators=cluster.generators, loop=self.loop, manager=self.manager,
-            clients=self.clients, math_verifier=self.math_verifier, resync=self._resync,
+            cfg, self.out, cluster=cluster, loop=self.loop, manager=self.manager,
+            clients=self.clients, math_verifier=self.math_verifier, version=lambda: self.version,
             new_client=self._new_client, on_restarted=lambda: cluster.write_processes(self.out))
         self.weights = WeightPusher(cfg, loop=self.loop, manager=self.manager,
                                     urls=lambda: cluster.generators.urls, clients=self.clients,
-                                    colocated=cluster.layout.colocated)
+                                    colocated=cluster.layout.colocated, api_key=cluster.api_key,
+                                    wait=self.health.wait)
         self.checkpoints = RunCheckpoints(
             cfg, self.out, self.checkpoint_root, trainers=lambda: cluster.trainers,
             trainer_call=trainer_call, driver_state=lambda: self.loop.run(self._driver_state),
@@ -158,13 +159,8 @@ class RunSetup:
     def _new_client(self, url: str):
         from megatron_rl.rollout.async_client import AsyncSGLangClient
 
-        return AsyncSGLangClient(url, return_routed_experts=self.cluster.routing_replay)
-
-    def _resync(self, endpoint) -> int:
-        """A restarted engine to the current weights and version; returns the version."""
-        trainer_call(lambda: self.cluster.trainers.sync_new_generators(
-            [endpoint], self.cluster.model_dir, self.version))
-        return self.version
+        return AsyncSGLangClient(url, api_key=self.cluster.api_key,
+                                 return_routed_experts=self.cluster.routing_replay)
 
     # ------------------------------------------------------------------ restore
 
@@ -184,8 +180,7 @@ class RunSetup:
         self.verifier_failures.load_state_dict(state["verifier_failures"])
         self.manager.load_state_dict(state["manager"])
         self.checkpoints.last_step = self.step if path is not None else None
-        trainer_call(lambda: trainers.sync_weights(self.version,
-                                                   timeout_s=self.cfg.train.step_timeout_s))
+        trainer_call(lambda: trainers.sync_weights(self.version))  # weight_sync.sync_timeout_s
 
     def _driver_state(self) -> dict:
         """The driver's part of a run checkpoint (run it on the rollout loop: one moment)."""
@@ -245,7 +240,8 @@ class RunSetup:
     def rollout_metrics(self, groups: Sequence, rewards, keep) -> dict[str, float]:
         return self.metrics.rollout(groups, rewards, keep, sampler=self.sampler, gate=self.gate,
                                     verifier_failures=self.verifier_failures,
-                                    version=self.version, wait_s=self._wait_s)
+                                    version=self.version, wait_s=self._wait_s) \
+            | self.health.metrics()  # engines in the rotation
 
     def train_step(self, batch) -> dict[str, float]:
         colocated = self.cluster.layout.colocated
@@ -259,8 +255,7 @@ class RunSetup:
     def push_weights(self) -> dict[str, float]:
         """Sync the new weights into the generators in flight and publish the version."""
         report, paused_busy = self.weights.push(
-            lambda: trainer_call(lambda: self.cluster.trainers.sync_weights(
-                timeout_s=self.cfg.train.step_timeout_s)),
+            lambda: trainer_call(lambda: self.cluster.trainers.sync_weights()),
             check_generators=self.health.check)
         self.metrics.add_paused_busy(paused_busy)
         self.version = report.version

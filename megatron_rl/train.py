@@ -9,46 +9,78 @@ starts and stops) and the packages it names.
 """
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from collections.abc import Sequence
 
 from megatron_rl.config import ConfigError, RunConfig, load_config
+from megatron_rl.console import notice
+from megatron_rl.resilience.stop import RUN_STOP, GracefulStop, StopRequested, step_under_way
 
 
 def train(cfg: RunConfig) -> int:
     """The run; returns the exit status (0, or 128 + the signal after a graceful stop)."""
-    from megatron_rl.run_setup import RunSetup, TrainerFailure
+    from megatron_rl.run_setup import RunSetup
 
-    with GracefulStop() as stop, RunSetup.start(cfg) as run:
+    with GracefulStop(grace_s=cfg.train.graceful_stop_timeout_s) as stop, \
+            RunSetup.start(cfg) as run:
         stop.install()  # again: starting Ray replaced the SIGTERM handler
-        if cfg.eval.at_step_zero and run.step == 0:
-            run.validate(step=0)  # R0 of the compute-scaling curve
-        progress = run.progress(range(cfg.train.num_steps))
-        progress.update(run.step)
-        skipped_in_a_row = 0
-        while run.step < cfg.train.num_steps and not stop.requested:
-            try:
-                metrics = one_step(run, cfg, step=run.step + 1)
-                progress.update(1)
-                skipped_in_a_row = skipped_in_a_row + 1 if metrics.get("train/skipped") else 0
-                after_step(run, cfg, skipped_in_a_row=skipped_in_a_row)
-            except TrainerFailure as failure:  # restored from the last checkpoint: redo
-                run.recover_trainers(failure)
-                progress.n, skipped_in_a_row = run.step, 0
-                progress.refresh()
-        run.commit_checkpoint(blocking=True)
-        if stop.requested and run.last_checkpoint_step != run.step:
-            run.save_checkpoint(run.step, wait=True)
+        trainer_idle = True  # false once a stop left a trainer call or a step half done
+        try:
+            if cfg.eval.at_step_zero and run.step == 0:
+                run.validate(step=0)  # R0 of the compute-scaling curve
+            elif validation_due(cfg, run.step) and not run.metrics.scaling_log.has_step(run.step):
+                run.validate(run.step)  # resumed: a stop came between its checkpoint and it
+            run_steps(run, cfg, stop)
+        except StopRequested as abandoned:  # the first SIGTERM / SIGINT, mid-wait
+            trainer_idle = not abandoned.no_checkpoint
+        if trainer_idle:
+            with RUN_STOP.finishing():  # the checkpoint's own timeout, not the stop's
+                run.commit_checkpoint(blocking=True)
+                if stop.requested and run.last_checkpoint_step != run.step:
+                    run.save_checkpoint(run.step, wait=True)
+        else:  # the ranks are still inside the call: an asynchronous save stays partial
+            run.checkpoints.abandon_pending()
         run.finish()
         if stop.requested:
-            from megatron_rl.console import notice
-
-            notice(f"stopped by {stop.requested.name} after step {run.step}; checkpoint "
-                   f"step_{run.step:06d} written; continue with --resume")
+            notice(stop_message(stop.requested, run, trainer_idle, cfg))
             return 128 + stop.requested.value
     return 0
+
+
+def run_steps(run, cfg: RunConfig, stop: GracefulStop) -> None:
+    """The optimizer steps, until train.num_steps or a stop request; a failed trainer is
+    restored from the last checkpoint and its steps redone (not while stopping)."""
+    from megatron_rl.run_setup import TrainerFailure
+
+    progress = run.progress(range(cfg.train.num_steps))
+    progress.update(run.step)
+    skipped_in_a_row = 0
+    while run.step < cfg.train.num_steps and not stop.requested:
+        try:
+            metrics = one_step(run, cfg, step=run.step + 1)
+            progress.update(1)
+            skipped_in_a_row = skipped_in_a_row + 1 if metrics.get("train/skipped") else 0
+            after_step(run, cfg, skipped_in_a_row=skipped_in_a_row)
+        except TrainerFailure as failure:  # restored from the last checkpoint: redo
+            if stop.requested:  # no restore while stopping: the last checkpoint stands
+                raise StopRequested(f"the trainer failed ({failure})",
+                                    no_checkpoint=True) from failure
+            run.recover_trainers(failure)
+            progress.n, skipped_in_a_row = run.step, 0
+            progress.refresh()
+
+
+def stop_message(sig, run, trainer_idle: bool, cfg: RunConfig) -> str:
+    """The graceful stop's last line: the checkpoint written, or the one a --resume loads."""
+    last = run.last_checkpoint_step
+    if trainer_idle:
+        return (f"stopped by {sig.name} after step {run.step}; checkpoint step_{run.step:06d} "
+                "written; continue with --resume")
+    return (f"stopped by {sig.name} after step {run.step}; the trainer failed, or was still "
+            f"busy {cfg.train.graceful_stop_timeout_s:.0f} s later (train."
+            "graceful_stop_timeout_s), so no checkpoint was written; --resume continues from "
+            + (f"step_{last:06d}" if last is not None else "the start (no checkpoint yet)"))
 
 
 def one_step(run, cfg: RunConfig, *, step: int) -> dict[str, float]:
@@ -63,24 +95,25 @@ def one_step(run, cfg: RunConfig, *, step: int) -> dict[str, float]:
 
     started = time.perf_counter()
     groups = run.take_groups(cfg.prompts_per_step)  # generated while the last step ran
-    run.record_ledger(step, groups)
-    rewards = run.rewards_of(groups)  # [prompts, G]; NaN where the verifier failed
-    if cfg.algorithm.length_penalty:  # DAPO's overlong penalty on correct answers
-        rewards = rewards + length_penalties(groups, cfg.algorithm).view_as(rewards)
-    keep = group_keep_mask(rewards, zero_variance_filter=cfg.algorithm.zero_variance_filter)
-    metrics = run.rollout_metrics(groups, rewards, keep)
-    if keep.any():
-        advantages = compute_advantages(rewards, cfg.algorithm.advantage_normalization,
-                                        keep=keep)
-        kept = [i for i in range(len(groups)) if keep[i]]
-        values = advantages[kept].tolist()
-        if faults.planned("nan_loss", step):  # chaos tests: a non-finite loss, real path
-            values = [[math.nan] * len(row) for row in values]
-        batch = TrainBatch.from_groups([groups[i].samples for i in kept], values)
-        metrics |= run.train_step(batch)
-    metrics |= run.push_weights()  # in flight: generation continues on the new weights
-    metrics["perf/step_seconds"] = time.perf_counter() - started
-    run.log(step, metrics)
+    with step_under_way():  # a stop abandons the take above; from here on, no checkpoint
+        run.record_ledger(step, groups)
+        rewards = run.rewards_of(groups)  # [prompts, G]; NaN where the verifier failed
+        if cfg.algorithm.length_penalty:  # DAPO's overlong penalty on correct answers
+            rewards = rewards + length_penalties(groups, cfg.algorithm).view_as(rewards)
+        keep = group_keep_mask(rewards, zero_variance_filter=cfg.algorithm.zero_variance_filter)
+        metrics = run.rollout_metrics(groups, rewards, keep)
+        if keep.any():
+            advantages = compute_advantages(rewards, cfg.algorithm.advantage_normalization,
+                                            keep=keep)
+            kept = [i for i in range(len(groups)) if keep[i]]
+            values = advantages[kept].tolist()
+            if faults.planned("nan_loss", step):  # chaos tests: a non-finite loss, real path
+                values = [[math.nan] * len(row) for row in values]
+            batch = TrainBatch.from_groups([groups[i].samples for i in kept], values)
+            metrics |= run.train_step(batch)
+        metrics |= run.push_weights()  # in flight: generation continues on the new weights
+        metrics["perf/step_seconds"] = time.perf_counter() - started
+        run.log(step, metrics)
     return metrics
 
 
@@ -89,8 +122,7 @@ def after_step(run, cfg: RunConfig, *, skipped_in_a_row: int) -> None:
     skipped steps in a row."""
     step = run.step
     run.commit_checkpoint(blocking=False)  # an asynchronous save's shards complete by now?
-    if cfg.eval.interval_steps and (step % cfg.eval.interval_steps == 0
-                                    or step == cfg.train.num_steps):
+    if validation_due(cfg, step):
         run.validate(step)
     limit = cfg.train.max_consecutive_skipped_steps
     if limit and skipped_in_a_row >= limit:
@@ -106,41 +138,14 @@ def after_step(run, cfg: RunConfig, *, skipped_in_a_row: int) -> None:
         run.save_checkpoint(step)  # and after the last step: a finished run can be extended
 
 
+def validation_due(cfg: RunConfig, step: int) -> bool:
+    """Whether the recipe validates after optimizer step `step` (>= 1)."""
+    return bool(step and cfg.eval.interval_steps and (step % cfg.eval.interval_steps == 0
+                                                      or step == cfg.train.num_steps))
+
+
 class RunStoppedError(RuntimeError):
     """The run stopped itself with a checkpoint; the message says why and what to do."""
-
-
-class GracefulStop:
-    """SIGTERM / SIGINT: the first finishes the current step, writes a checkpoint and ends the
-    run normally (every engine and Ray actor stopped); a second one stops at once (the last
-    checkpoint stands)."""
-
-    def __init__(self) -> None:
-        self.requested: signal.Signals | None = None
-        self._previous: dict = {}
-
-    def __enter__(self) -> "GracefulStop":
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def install(self) -> None:
-        for sig in self._previous:
-            signal.signal(sig, self._handle)
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame) -> None:
-        from megatron_rl.console import notice
-
-        if self.requested is not None:
-            notice(f"second {signal.Signals(signum).name}: stopping now, without a checkpoint")
-            raise KeyboardInterrupt
-        self.requested = signal.Signals(signum)
-        notice(f"{self.requested.name}: finishing the current step, then writing a checkpoint "
-               "and stopping (send it again to stop at once)")
 
 
 USAGE = """usage: megatron-rl train RECIPE.yaml [--resume] [section.field=value ...]
@@ -152,8 +157,9 @@ resolved recipe. Outputs go to output_dir: config.yaml, tensorboard/, scaling.js
 processes.json, generator logs.
 
 A run resumes from the newest valid checkpoint in its output_dir by itself (checkpoint.resume:
-auto); --resume requires one. SIGTERM / SIGINT finish the current step, write a checkpoint and
-stop (exit status 128 + the signal); a second one stops at once. docs/fault_tolerance.md."""
+auto); --resume requires one. SIGTERM / SIGINT abandon the wait for generation (a trainer step
+under way gets train.graceful_stop_timeout_s), write a checkpoint and stop (exit status 128 +
+the signal); a second one kills the run's processes at once. docs/fault_tolerance.md."""
 
 
 def main(argv: Sequence[str]) -> int:
@@ -179,7 +185,10 @@ def main(argv: Sequence[str]) -> int:
         return 2
     except (RunStopped, RunStoppedError, RolloutError) as err:
         print(f"megatron-rl train: stopped: {err}", file=sys.stderr)
-        return 1
+        return getattr(err, "exit_status", 1)  # NodeLost: 75, requeue (docs/fault_tolerance.md)
+    except StopRequested as stopped:  # a SIGTERM / SIGINT abandoned a start-up or teardown wait
+        print(f"megatron-rl train: stopped: {stopped}", file=sys.stderr)
+        return 128 + stopped.signal
 
 
 if __name__ == "__main__":

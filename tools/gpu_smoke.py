@@ -28,8 +28,12 @@ transformers, converted with megatron_rl.convert, served by SGLang from the layo
    NCCL ranks cannot share one GPU, and gloo carries CUDA tensors), and after a second train step
    and a sync over the in-memory transport (CUDA IPC) with buckets small enough to reuse buffers.
 4. colocated: an engine with SGLang's memory saver beside the trainer: release -> train_step ->
-   resume the weights -> sync -> resume the KV cache -> generate, with torch.cuda.mem_get_info at
-   each point (the release must hand the engine's memory back, the sync must land).
+   the trainer offloads (RLTrainer.offload_training_state) -> resume the weights -> sync ->
+   resume the KV cache -> generate -> the trainer reloads -> train_step, with
+   torch.cuda.mem_get_info at each point (the release must hand the engine's memory back, the
+   sync must land). The offload must lower torch.cuda.memory_allocated by the gradient buffers,
+   Adam state and FP32 main copies it reports (counted independently before it), the reload
+   must raise it by as much, and the sync, scoring and the next step must work around it.
 5. moe_layer: one MoE layer at Scout's widths (TE spec, bf16): the bytes its forward saves for the
    backward and its peak, against the planner's per-layer figure
    (megatron_rl.scaling.plan.layer_activation_bytes).
@@ -112,6 +116,9 @@ LOGP_TOLERANCE = {"fp32": (2e-3, 2e-2), "bf16": (0.05, 0.5), "fp8": (0.25, 2.0)}
 # Trainer (bf16) against SGLang (bf16 weights, FP32 LM head) after a sync: (mean, max).
 SYNC_TOLERANCE = (0.05, 0.5)
 MIN_RELEASED_FRACTION = 0.5  # of the engine's memory that a release must hand back
+# The trainer's offload and reload move memory_allocated by its expected bytes to within this
+# fraction, plus the allocator's rounding (512-byte blocks; 1 MiB in all).
+OFFLOAD_TOLERANCE = (0.05, 2**20)
 PLANNER_UNDERESTIMATE = 1.25  # measured saved bytes may exceed the planner's by this factor
 
 
@@ -757,13 +764,41 @@ def check_colocated(ctx: Context) -> dict:
     from megatron_rl.platform import environment
     from megatron_rl.rollout import SGLangGenerator
 
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer import TrainerSettings
+
     env = environment.trainer_environment({}, cuda_ipc=True)
     result = {"trainer_environment": env,
               "resume_order": [list(SGLangGenerator.MEMORY_WEIGHTS),
                                list(SGLangGenerator.MEMORY_AFTER_WEIGHTS)]}
     expect(not any(k in env for k in environment.ALLOCATOR_VARIABLES), "a trainer that hands "
            "tensors over CUDA IPC must not use expandable segments", result)
+    recipe = load_config(ROOT / "examples/configs/tiny_pipeline.yaml",
+                         ["cluster.colocated=true", "rollout.max_off_policyness=0"])
+    result["colocated_trainer_offloads"] = \
+        TrainerSettings.from_run_config(recipe).offload_between_steps
+    expect(result["colocated_trainer_offloads"], "a colocated recipe's trainer keeps its "
+           "gradients and optimizer state on the device during generation", result)
     return result
+
+
+def offload_bytes(trainer) -> int:
+    """What the trainer's offload should release, counted before it: the gradient buffers and
+    the optimizer tensors that may leave (trainer/optimizer.py offload_targets)."""
+    from megatron_rl.trainer.optimizer import offload_targets
+
+    buffers = trainer.model.buffers + trainer.model.expert_parallel_buffers
+    return sum(b.grad_data.untyped_storage().nbytes() for b in buffers) + \
+        offload_targets(trainer.optimizer, [trainer.model]).num_bytes
+
+
+def allocated_change(before: dict, after: dict) -> int:
+    return round((after["allocated_gib"] - before["allocated_gib"]) * 2**30)
+
+
+def within_offload_tolerance(change: int, expected: int) -> bool:
+    fraction, slack = OFFLOAD_TOLERANCE
+    return abs(change - expected) <= fraction * expected + slack
 
 
 def stage_colocated(ctx: Context) -> dict:
@@ -789,6 +824,9 @@ def stage_colocated(ctx: Context) -> dict:
         result["train_step_loss"] = trainer.train_step(reference_batch).loss
         torch.cuda.synchronize()
         points["trained"] = mem_info()
+        result["offload_expected_bytes"] = offload_bytes(trainer)
+        result["offload_reported_bytes"] = trainer.offload_training_state()
+        points["trainer_offloaded"] = mem_info()
         generator.resume_memory(SGLangGenerator.MEMORY_WEIGHTS)
         points["weights_resumed"] = mem_info()
         result["sync_buckets"] = sync.sync(version=1).num_buckets
@@ -803,7 +841,27 @@ def stage_colocated(ctx: Context) -> dict:
     result["generated_tokens"] = sum(len(o.token_ids) for o in outputs)
     result["generated_logprobs_finite"] = all(math.isfinite(x) for o in outputs
                                               for x in o.logprobs)
-    result["after_cycle"] = against_generator(trainer, generator, sequences)
+    result["after_cycle"] = against_generator(trainer, generator, sequences)  # still offloaded
+    points["before_reload"] = mem_info()
+    trainer.reload_training_state()
+    points["trainer_reloaded"] = mem_info()
+    result["step_after_reload"] = trainer.train_step(reference_batch).loss
+    expected = result["offload_expected_bytes"]
+    result["offload_allocated_change"] = allocated_change(points["trained"],
+                                                          points["trainer_offloaded"])
+    result["reload_allocated_change"] = allocated_change(points["before_reload"],
+                                                         points["trainer_reloaded"])
+    expect(result["offload_reported_bytes"] == expected and expected > 0, "the trainer's "
+           f"offload reports {result['offload_reported_bytes']} bytes, its gradient buffers "
+           f"and optimizer state hold {expected}", result)
+    expect(within_offload_tolerance(-result["offload_allocated_change"], expected),
+           f"the trainer's offload lowered memory_allocated by "
+           f"{-result['offload_allocated_change']} bytes, {expected} expected", result)
+    expect(within_offload_tolerance(result["reload_allocated_change"], expected),
+           f"the trainer's reload raised memory_allocated by "
+           f"{result['reload_allocated_change']} bytes, {expected} expected", result)
+    expect(math.isfinite(result["step_after_reload"]), "the step after the reload is not "
+           "finite", result)
     held = points["before_engine"]["free_gib"] - points["engine_up"]["free_gib"]
     handed_back = points["released"]["free_gib"] - points["engine_up"]["free_gib"]
     result.update(engine_held_gib=held, released_gib=handed_back)

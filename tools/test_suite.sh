@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# `make test`: the whole suite in four streams at once: e2e (whole `megatron-rl train` runs),
-# integration (SGLang servers, Ray, sandboxes), unit + dist (+ a few integration files), and the
-# GPU image's dependency resolution (network-bound).
+# `make test`: the whole suite in five streams at once: e2e in two (whole `megatron-rl train`
+# runs), integration (SGLang servers, Ray, sandboxes), unit + dist (+ a few integration files), and
+# the GPU image's dependency resolution (network-bound) with the sweep's e2e.
 # The e2e and integration tests spend much of their time waiting on process start-up and on their
 # own subprocesses, leaving cores idle; one after the other the suite took 22 minutes on 2 cores.
 # Each stream's output is printed when all are done, in this order; the exit status is non-zero
@@ -13,16 +13,25 @@ logs=$(mktemp -d -t megatron_rl_tests.XXXXXX)
 # Balanced by the tests' durations on 2 cores (pytest prints the slowest 20 of each stream; the
 # suite keeps both cores ~95% busy, so only less work makes it faster): the tensor/expert-parallel
 # engine tests (integration) and the colocated run (e2e) go with the unit and dist tiers.
-tp_ep=(tests/integration/test_sglang_tp_ep2_moe.py tests/integration/test_sglang_tp_ep_tp2.py
-       tests/integration/test_sglang_tp_ep_llama4.py)
+tp_ep=(tests/integration/test_sglang_tp_ep_tp2.py tests/integration/test_sglang_tp_ep_llama4.py)
+# With the image's network wait: the sweep's e2e, the PP2 x 2-engine sync module and the engine
+# lifetime kills, which the other streams cannot take in their 25 minutes.
+tp_ep2_moe=tests/integration/test_sglang_tp_ep2_moe.py
+lifetime=tests/integration/test_engine_lifetime.py
 colocated=tests/e2e/test_train_colocated.py
 # The GPU image's install set resolved against PyPI (pip --dry-run): ~2.5 min of mostly network
 # wait, so a stream of its own adds little CPU and no wall time to the others.
 image=tests/integration/test_gpu_image.py
-streams=("tests/e2e --ignore=$colocated"
-         "tests/integration ${tp_ep[*]/#/--ignore=} --ignore=$image"
+# The whole-run tests in two streams (the node-loss run and the demo apart from the resume and
+# chaos runs); the sweep's (three tiny runs) beside the image's network wait.
+node_loss=tests/e2e/test_fault_tolerance.py::test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_resume
+demo=tests/e2e/test_demo.py
+sweep=tests/e2e/test_sweep.py
+streams=("tests/e2e --ignore=$colocated --ignore=$demo --ignore=$sweep --deselect=$node_loss"
+         "$node_loss $demo"
+         "tests/integration ${tp_ep[*]/#/--ignore=} --ignore=$tp_ep2_moe --ignore=$lifetime --ignore=$image"
          "tests/unit tests/dist ${tp_ep[*]} $colocated"
-         "$image")
+         "$image $sweep $tp_ep2_moe $lifetime")
 pids=()
 for i in "${!streams[@]}"; do
     # -p no:cacheprovider: the streams would all write .pytest_cache.

@@ -1,20 +1,27 @@
 """The generator engines as Ray actors: `GeneratorActor` launches one SGLang server with the
 project's launcher (`SGLangServer`, settings passed in) on the node Ray placed it on, reports
 where it listens (`GeneratorEndpoint`), checks its health and stops it; `GeneratorPool` runs one
-actor per engine in a placement group's generator bundles.
+actor per engine in a placement group's generator bundles. When an engine's node is lost, Ray
+re-places its bundle on the first node with room: the pool re-creates the actor there
+(`replace`, without waiting) and brings it up once Ray has started it (`poll_replacements`).
+Every wait is bounded (rollout.engine_start_timeout_s, rollout.health_check_timeout_s).
 
 The server binds the node's Ray address (127.0.0.1 on a local cluster), so that trainer ranks on
 other nodes reach it. It runs in its own process group; stopping it stops the whole group, also
 when the server's leader process has already died (its scheduler and detokenizer would outlive
-it). Killing the actor alone would leave the server running (it is not the actor's process), so
-the pool always asks the actor to stop its server first, and afterwards sweeps the process groups
-of servers on this node that a dead actor could not stop. Errors name the generator: "generator
+it). The server and its children also die with the actor's process, whenever and however it
+ends (SIGKILL included: megatron_rl.rollout.engine_lifetime), so no engine outlives its actor.
+The pool still asks the actor to stop its server first (a clean stop), and afterwards sweeps the
+process groups of servers on this node that a dead actor could not stop. The server runs with
+the run's API key (`SGLangServerSettings.api_key`), which its endpoint hands on to the clients
+(`GeneratorEndpoint.api_key`, never shown). Errors name the generator: "generator
 'generator-0' (http://127.0.0.1:30001 on node 127.0.0.1, server pid 1234): ...".
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Sequence
 
 from megatron_rl.cluster.processes import kill_process_group
@@ -34,6 +41,8 @@ class GeneratorEndpoint:
     pid: int  # the server's leader process (its process group id)
     started_at: float  # the leader's start time (epoch s): tells its group from a reused pid
     log_path: str
+    # The server's API key (SGLangServerSettings.api_key), for its clients; never shown.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
     def describe(self) -> str:
         return (f"generator {self.name!r} ({self.url} on node {self.node_ip}, server pid "
@@ -78,7 +87,7 @@ class GeneratorActor:
                 node_id=ray.get_runtime_context().get_node_id(),
                 node_ip=self.settings.host, pid=server.process.pid,
                 started_at=psutil.Process(server.process.pid).create_time(),
-                log_path=server.log_path)
+                log_path=server.log_path, api_key=self.settings.api_key)
             return self._endpoint
 
     def restart(self) -> GeneratorEndpoint:
@@ -146,30 +155,58 @@ class GeneratorActor:
         return self._endpoint.describe()
 
 
-class GeneratorPool:
-    """One `GeneratorActor` per generator bundle of a placement, started together."""
+class GeneratorUnplaceable(GeneratorError):
+    """A generator's actor cannot be placed now: the node of its placement-group bundle is gone
+    (Ray places the bundle again once a node has room) or the new actor did not start in time.
+    `GeneratorPool.replace` waits for the placement without blocking the run."""
 
-    def __init__(self, placement, actors: list, names: list[str]):
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Replacement:
+    """A generator being re-created in its bundle: the actor's `launch` (pending until Ray
+    places the bundle), then its `wait_until_healthy`."""
+
+    launch: object  # ObjectRef of GeneratorActor.launch
+    healthy: object = None  # ObjectRef of GeneratorActor.wait_until_healthy, once launched
+    launched_at: float = 0.0  # time.monotonic()
+
+
+class GeneratorPool:
+    """One `GeneratorActor` per generator bundle of a placement, started together. An engine
+    whose node is lost is re-created in the same bundle (`replace`) when Ray can place it
+    again; until then it is not serving (`serving()`). Every wait is bounded: starts by
+    `start_timeout_s` (rollout.engine_start_timeout_s), other actor calls by `call_timeout_s`
+    (rollout.health_check_timeout_s)."""
+
+    def __init__(self, placement, actors: list, names: list[str], *,
+                 start_timeout_s: float = 900.0, call_timeout_s: float = 30.0):
         self.placement = placement
         self.actors = actors
         self.names = names
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self._endpoints: list[GeneratorEndpoint | None] = [None] * len(actors)
         self._settings: list[SGLangServerSettings] = []  # per generator, for restarts
+        self._replacing: dict[int, _Replacement] = {}
+        # Names of the engines the trainer's weight sync is connected to (set by its caller).
+        self.connected: set[str] = set()
         self._stopped = False
 
     @classmethod
     def launch(cls, placement, settings: Sequence[SGLangServerSettings], *,
-               names: Sequence[str] | None = None) -> "GeneratorPool":
+               names: Sequence[str] | None = None, start_timeout_s: float = 900.0,
+               call_timeout_s: float = 30.0) -> "GeneratorPool":
         """Start one server per generator of `placement.layout` (`settings[i]` for generator
         i) and wait until all are healthy; on any failure every one is stopped and the error
         names the generator that failed."""
-        pool = cls.start(placement, settings, names=names)
+        pool = cls.start(placement, settings, names=names, start_timeout_s=start_timeout_s,
+                         call_timeout_s=call_timeout_s)
         pool.wait_until_healthy()
         return pool
 
     @classmethod
     def start(cls, placement, settings: Sequence[SGLangServerSettings], *,
-              names: Sequence[str] | None = None) -> "GeneratorPool":
+              names: Sequence[str] | None = None, start_timeout_s: float = 900.0,
+              call_timeout_s: float = 30.0) -> "GeneratorPool":
         """`launch` without the wait: the server processes are started and the pool returns
         while they load (build the trainer meanwhile), then `wait_until_healthy()`."""
         count = placement.layout.num_generators
@@ -179,16 +216,16 @@ class GeneratorPool:
         names = list(names) if names is not None else [f"generator-{i}" for i in range(count)]
         if len(names) != count or len(set(names)) != count:
             raise ValueError(f"generator names {names}: give {count} distinct names")
-        actor = actor_class(GeneratorActor)
-        actors = [actor.options(**placement.generator_options(i), max_concurrency=2,
-                                max_restarts=0).remote(names[i], settings[i])
-                  for i in range(count)]
-        pool = cls(placement, actors, names)
+        pool = cls(placement, [], names, start_timeout_s=start_timeout_s,
+                   call_timeout_s=call_timeout_s)
         pool._settings = list(settings)
+        pool.actors = [pool._new_actor(i) for i in range(count)]
+        pool._endpoints = [None] * count
         placement.cluster.on_shutdown("generators", pool.shutdown)
         try:
-            pool._endpoints = gather([a.launch.remote() for a in actors], pool._labels(),
-                                     what="launching the SGLang servers")
+            pool._endpoints = gather([a.launch.remote() for a in pool.actors], pool._labels(),
+                                     what="launching the SGLang servers",
+                                     timeout_s=start_timeout_s)
         except BaseException:
             pool.shutdown()
             raise
@@ -198,25 +235,38 @@ class GeneratorPool:
         """Wait until every started server answers; on any failure every one is stopped."""
         try:
             self._endpoints = gather([a.wait_until_healthy.remote() for a in self.actors],
-                                     self._labels(), what="starting the SGLang servers")
+                                     self._labels(), what="starting the SGLang servers",
+                                     timeout_s=self.start_timeout_s + self.call_timeout_s)
         except BaseException:
             self.shutdown()
             raise
 
+    def serving(self) -> dict[int, GeneratorEndpoint]:
+        """{index: endpoint} of the generators whose server is started (not restarting, not
+        waiting to be placed again)."""
+        return {i: e for i, e in enumerate(self._endpoints) if e is not None}
+
     @property
     def endpoints(self) -> list[GeneratorEndpoint]:
-        if any(e is None for e in self._endpoints):
-            raise GeneratorError("the generators have not all started")
-        return list(self._endpoints)
+        """The serving generators' endpoints, in index order."""
+        return list(self.serving().values())
 
     @property
     def urls(self) -> list[str]:
         return [e.url for e in self.endpoints]
 
-    def check_health(self, timeout_s: float = 30.0) -> None:
+    @property
+    def placing(self) -> frozenset[int]:
+        """Generators being re-created (`replace`) whose actor Ray has not placed yet."""
+        import ray
+
+        return frozenset(i for i, r in self._replacing.items()
+                         if r.healthy is None and not ray.wait([r.launch], timeout=0)[0])
+
+    def check_health(self, timeout_s: float | None = None) -> None:
         """Raise GeneratorDeadError naming every generator whose server or actor is gone (or
         GeneratorError for one that answers with an error); return when all answer."""
-        problems = list(self.unhealthy(timeout_s).values())
+        problems = list(self.unhealthy(timeout_s=timeout_s).values())
         if len(problems) == 1:
             raise problems[0]
         if problems:
@@ -225,44 +275,102 @@ class GeneratorPool:
             raise kind(f"{len(problems)} of {len(self.actors)} generators failed the health "
                        "check:\n" + "\n".join(str(p) for p in problems))
 
-    def restart(self, index: int, *, timeout_s: float | None = None) -> GeneratorEndpoint:
+    def restart(self, index: int) -> GeneratorEndpoint:
         """Replace generator `index`'s server with a fresh one (same settings, version 0 weights
-        of the served checkpoint) and wait until it answers; a dead actor is replaced by a new
-        one in the same bundle. The other generators are not touched."""
+        of the served checkpoint) and wait until it answers; a dead or hung actor is replaced by
+        a new one in the same bundle. Raises GeneratorUnplaceable at once when that bundle's
+        node is gone, or when the new actor does not start within start_timeout_s (`replace`
+        then waits for Ray without blocking). The other generators are not touched."""
         import ray
 
+        old, self._endpoints[index] = self._endpoints[index], None
         try:
-            ray.get(self.actors[index].restart.remote(), timeout=timeout_s)
-        except ray.exceptions.RayActorError:
-            old = self._endpoints[index]
-            if old is not None and old.node_id == ray.get_runtime_context().get_node_id():
-                kill_process_group(old.pid, started_after=old.started_at)
-            actor = actor_class(GeneratorActor).options(
-                **self.placement.generator_options(index), max_concurrency=2,
-                max_restarts=0).remote(self.names[index], self._settings[index])
-            self.actors[index] = actor
-            ray.get(actor.launch.remote(), timeout=timeout_s)
-        self._endpoints[index] = None
-        self._endpoints[index] = ray.get(self.actors[index].wait_until_healthy.remote(),
-                                         timeout=timeout_s)
+            ray.get(self.actors[index].restart.remote(), timeout=self.call_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            self._drop_actor(index, old)  # dead, or hung (its worker stopped)
+            lost = self._bundle_node_lost(index)
+            if lost:
+                raise GeneratorUnplaceable(f"{self._label(index, old)}: {lost}") from None
+            self.actors[index] = self._new_actor(index)
+            launched = self.actors[index].launch.remote()
+            deadline = time.monotonic() + self.start_timeout_s
+            while not ray.wait([launched], timeout=1.0)[0]:  # placed and started?
+                lost = self._bundle_node_lost(index)  # the node went meanwhile: fail fast
+                if lost or time.monotonic() > deadline:
+                    self._drop_actor(index, None)
+                    raise GeneratorUnplaceable(
+                        f"{self._label(index, old)}: its new Ray actor "
+                        + (lost or f"was not placed and started within "
+                           f"{self.start_timeout_s:.0f} s (rollout.engine_start_timeout_s)")
+                        + f" (the old one {'hung' if isinstance(exc, TimeoutError) else 'died'})")
+            ray.get(launched, timeout=self.call_timeout_s)
+        self._endpoints[index] = self._wait_healthy(index)
         return self._endpoints[index]
 
-    def unhealthy(self, timeout_s: float = 30.0) -> dict[int, GeneratorError]:
-        """{index: error naming it} of the generators whose server or actor is gone
-        (GeneratorDeadError), that answer with an error, or that do not answer within
-        `timeout_s` (a hung one); {} when all answer."""
+    def replace(self, index: int) -> None:
+        """Start re-creating generator `index` in its bundle without waiting: Ray places the new
+        actor once the bundle has a node again (the lost node back, or another with room);
+        `poll_replacements` brings it up. The old actor is killed."""
+        self._drop_actor(index, self._endpoints[index])
+        self._endpoints[index] = None
+        self.actors[index] = self._new_actor(index)
+        self._replacing[index] = _Replacement(launch=self.actors[index].launch.remote())
+
+    def poll_replacements(self) -> dict[int, GeneratorEndpoint | GeneratorError]:
+        """Without waiting: {index: endpoint} of the re-created generators now serving, and
+        {index: error} of those whose start failed or took longer than start_timeout_s after
+        Ray placed them (their actor is killed); the others are left pending."""
         import ray
 
-        refs = [a.check_health.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        done: dict[int, GeneratorEndpoint | GeneratorError] = {}
+        for index, pending in list(self._replacing.items()):
+            try:
+                if pending.healthy is None:
+                    if not ray.wait([pending.launch], timeout=0)[0]:
+                        continue  # not placed yet
+                    ray.get(pending.launch, timeout=self.call_timeout_s)
+                    pending.healthy = self.actors[index].wait_until_healthy.remote()
+                    pending.launched_at = time.monotonic()
+                if ray.wait([pending.healthy], timeout=0)[0]:
+                    self._endpoints[index] = ray.get(pending.healthy, timeout=self.call_timeout_s)
+                    done[index] = self._endpoints[index]
+                elif time.monotonic() - pending.launched_at > self.start_timeout_s \
+                        + self.call_timeout_s:
+                    raise GeneratorError(f"{self._label(index)}: re-created, but not healthy "
+                                         f"within {self.start_timeout_s:.0f} s "
+                                         "(rollout.engine_start_timeout_s)")
+                else:
+                    continue
+            except (ray.exceptions.RayError, GeneratorError) as exc:
+                cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
+                done[index] = cause if isinstance(cause, GeneratorError) else GeneratorError(
+                    f"{self._label(index)}: re-creating it failed: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:300]}")
+                self._drop_actor(index, None)
+            del self._replacing[index]
+        return done
+
+    def unhealthy(self, indices: Sequence[int] | None = None, *,
+                  timeout_s: float | None = None) -> dict[int, GeneratorError]:
+        """{index: error naming it} of the generators (`indices`, default all) whose server or
+        actor is gone (GeneratorDeadError), that answer with an error, or that do not answer
+        within `timeout_s` (default call_timeout_s: a hung one); {} when all answer."""
+        import ray
+
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        indices = range(len(self.actors)) if indices is None else indices
+        refs = {i: self.actors[i].check_health.remote() for i in indices}
+        if not refs:
+            return {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         problems: dict[int, GeneratorError] = {}
-        for i, ref in enumerate(refs):
+        for i, ref in refs.items():
             if ref not in ready:
                 problems[i] = GeneratorError(f"{self._label(i)}: no health answer within "
                                              f"{timeout_s:.0f} s")
                 continue
             try:
-                ray.get(ref)
+                ray.get(ref, timeout=0)
             except ray.exceptions.RayTaskError as exc:
                 cause = exc.cause  # raised by the actor: its message names the generator
                 problems[i] = cause if isinstance(cause, GeneratorError) \
@@ -275,18 +383,22 @@ class GeneratorPool:
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Stop every server (through its actor), kill the actors, then stop any server
-        process group on this node that a dead actor left behind. Idempotent."""
+        process group on this node that a dead actor left behind. Idempotent. Actors that
+        Ray has not placed yet are only killed (they started nothing)."""
         if self._stopped:
             return
         self._stopped = True
         import ray
 
-        refs = [a.shutdown.remote() for a in self.actors]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        unplaced = self.placing
+        refs = {i: a.shutdown.remote() for i, a in enumerate(self.actors) if i not in unplaced}
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         kill_actors(self.actors)
         here = ray.get_runtime_context().get_node_id()
         unconfirmed = []
-        for endpoint, ref in zip(self._endpoints, refs):
+        for i, ref in refs.items():
+            endpoint = self._endpoints[i]
             if endpoint is None:
                 continue
             if endpoint.node_id == here:  # a no-op unless the actor failed to stop its server
@@ -300,8 +412,46 @@ class GeneratorPool:
             raise GeneratorError("could not confirm that these servers stopped (their actors "
                                  "failed on another node): " + "; ".join(unconfirmed))
 
-    def _label(self, i: int) -> str:
-        endpoint = self._endpoints[i]
+    def _new_actor(self, index: int):
+        return actor_class(GeneratorActor).options(
+            **self.placement.generator_options(index), max_concurrency=2,
+            max_restarts=0).remote(self.names[index], self._settings[index])
+
+    def _wait_healthy(self, index: int) -> GeneratorEndpoint:
+        import ray
+
+        try:
+            return ray.get(self.actors[index].wait_until_healthy.remote(),
+                           timeout=self.start_timeout_s + self.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:  # the actor's own start-up wait did not end
+            self._drop_actor(index, None)
+            raise GeneratorError(f"{self._label(index)}: not healthy within "
+                                 f"{self.start_timeout_s:.0f} s (rollout.engine_start_timeout_s)"
+                                 ) from None
+
+    def _drop_actor(self, index: int, endpoint: GeneratorEndpoint | None) -> None:
+        """Kill generator `index`'s actor without waiting, and its old server's process group
+        when it ran on this node (elsewhere the server stops with its actor's process)."""
+        import ray
+
+        kill_actors([self.actors[index]])
+        if endpoint is not None and endpoint.node_id == ray.get_runtime_context().get_node_id():
+            kill_process_group(endpoint.pid, started_after=endpoint.started_at)
+
+    def _bundle_node_lost(self, index: int) -> str | None:
+        """Why generator `index`'s bundle has no live node now (None: it has one)."""
+        from megatron_rl.cluster.runtime import lost_nodes
+
+        node_id = self.placement.bundle_nodes().get(
+            self.placement.layout.generator_bundle_index(index), "")
+        if not node_id:
+            return "its placement-group bundle has no node (its node was lost; Ray places it " \
+                   "again when a node has room)"
+        lost = lost_nodes([node_id])
+        return f"its node {lost[node_id]} (Ray node id {node_id[:12]}) was lost" if lost else None
+
+    def _label(self, i: int, endpoint: GeneratorEndpoint | None = None) -> str:
+        endpoint = endpoint or self._endpoints[i]
         return endpoint.describe() if endpoint is not None else f"generator {self.names[i]!r}"
 
     def _labels(self) -> list[str]:

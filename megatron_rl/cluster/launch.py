@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,9 @@ class RunCluster:
     model_dir: str  # model.hf_checkpoint, absolute
     routing_replay: bool  # MoE routing replay (docs/routing_replay.md) is on
     num_devices: int  # devices the compute axis counts (processes on CPU)
+    # The engines' API key, made for this run alone (SGLangServerSettings.api_key): kept out of
+    # config.yaml, processes.json, logs and command lines.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def start(cls, cfg: RunConfig, out: Path, stack: contextlib.ExitStack, *,
@@ -75,14 +79,19 @@ class RunCluster:
                               "GPU; set weight_sync.transport=tensor (in-memory hand-over)")
         placement = ray.reserve(layout, name=cfg.name)
         model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
+        waits = dict(start_timeout_s=cfg.rollout.engine_start_timeout_s,
+                     call_timeout_s=cfg.rollout.health_check_timeout_s)
+        api_key = secrets.token_urlsafe(32)
         with phases("trainer ranks"):
             if gpu_colocated:  # the servers need the ranks' GPU ids
                 trainers = TrainerGroup.create(placement, cfg)
                 generators = GeneratorPool.start(
-                    placement, server_settings(cfg, layout, out, model_dir, trainers))
+                    placement, server_settings(cfg, layout, out, model_dir, trainers, api_key),
+                    **waits)
             else:  # the servers load while the trainer ranks build
                 generators = GeneratorPool.start(
-                    placement, server_settings(cfg, layout, out, model_dir, None))
+                    placement, server_settings(cfg, layout, out, model_dir, None, api_key),
+                    **waits)
                 trainers = TrainerGroup.create(placement, cfg)
         with phases("start checkpoint"):
             trainers.call("load_model_weights", start_checkpoint(model_dir))
@@ -94,40 +103,78 @@ class RunCluster:
             generators.wait_until_healthy()
         with phases("weight-sync connection"):
             trainers.connect_generators(generators.endpoints, hf_config_dir=model_dir)
+            generators.connected = {e.name for e in generators.endpoints}
         num_devices = layout.num_trainer_ranks if layout.colocated else \
             layout.num_trainer_ranks + layout.num_generators * layout.devices_per_generator
         cluster = cls(ray=ray, layout=layout, placement=placement, trainers=trainers,
                       generators=generators, model_dir=model_dir, num_devices=num_devices,
-                      routing_replay=cfg.rollout.routing_replay and is_moe_model(model_dir))
+                      routing_replay=cfg.rollout.routing_replay and is_moe_model(model_dir),
+                      api_key=api_key)
         cluster.write_processes(out)
         notice(f"cluster up in {phases.total:.1f} s ({phases}; the generators start while the "
                "trainer ranks build)")
         return cluster
 
     def write_processes(self, out: Path) -> None:
-        """output_dir/processes.json: which process is which (for operators and chaos tests)."""
-        info = {"driver": {"pid": os.getpid()},
-                "generators": [{"name": e.name, "url": e.url, "pid": e.pid, "node": e.node_ip}
-                               for e in self.generators.endpoints],
-                "trainer_ranks": [{"rank": r, "pid": n.pid, "node": n.node_ip}
+        """output_dir/processes.json: which process is which (for operators and chaos tests);
+        the generators serving now (not those waiting to be placed again)."""
+        import ray
+
+        info = {"driver": {"pid": os.getpid(),
+                           "node_id": ray.get_runtime_context().get_node_id()},
+                "generators": [{"name": e.name, "url": e.url, "pid": e.pid, "node": e.node_ip,
+                                "node_id": e.node_id} for e in self.generators.endpoints],
+                "trainer_ranks": [{"rank": r, "pid": n.pid, "node": n.node_ip,
+                                   "node_id": n.node_id}
                                   for r, n in enumerate(self.trainers.nodes)]}
         tmp = out / "processes.json.tmp"
         tmp.write_text(json.dumps(info, indent=1))
         tmp.replace(out / "processes.json")
 
     def restart_trainers(self, cfg: RunConfig) -> None:
-        """A new trainer group in the same placement, connected to the running engines (the old
-        one is shut down first; its ranks died or hung)."""
+        """A new trainer group in the same placement, connected to the serving engines (the old
+        one is shut down first; its ranks died or hung). NodeLost, without waiting for a new
+        group, when a rank's node is gone (docs/fault_tolerance.md: the run stops)."""
         from megatron_rl.cluster import TrainerGroup
 
         self.trainers.shutdown(timeout_s=10.0)
-        self.trainers = TrainerGroup.create(self.placement, cfg)
+        self.stop_if_trainer_node_lost(cfg)
+        try:
+            self.trainers = TrainerGroup.create(self.placement, cfg)
+        except Exception:
+            # A rank's connection broke before Ray declared its node dead (ActorUnavailable):
+            # the new group's actor in that bundle fails once it does. Say so, if so.
+            self.stop_if_trainer_node_lost(cfg)
+            raise
         self.trainers.connect_generators(self.generators.endpoints, hf_config_dir=self.model_dir)
+        self.generators.connected = {e.name for e in self.generators.endpoints}
+
+    def stop_if_trainer_node_lost(self, cfg: RunConfig) -> None:
+        """Raise NodeLost when a node of the trainer ranks or of the driver is gone: Ray
+        declared it dead, or a trainer rank's placement-group bundle lost its node."""
+        import ray
+
+        from megatron_rl.cluster.runtime import lost_nodes
+        from megatron_rl.resilience.recovery import NodeLost, node_lost_message
+
+        ranks = {r: n.node_id for r, n in enumerate(self.trainers.nodes)}
+        driver = ray.get_runtime_context().get_node_id()
+        lost = lost_nodes([*ranks.values(), driver])
+        bundles = self.placement.bundle_nodes()
+        for rank, node in ranks.items():
+            if not bundles.get(self.layout.trainer_bundle_index(rank), node):
+                lost.setdefault(node, next((n.node_ip for n in self.trainers.nodes
+                                            if n.node_id == node), "(unknown)"))
+        held = {node: [f"trainer rank {r}" for r, n in ranks.items() if n == node]
+                + (["the driver"] if node == driver else []) for node in lost}
+        if any(held.values()):
+            raise NodeLost(node_lost_message(cfg, lost, held))
 
 
-def server_settings(cfg: RunConfig, layout, out: Path, model_dir: str, trainers) -> list:
-    """One SGLang server's settings per generator; colocated ones (GPU) get their trainer ranks'
-    GPUs and SGLang's memory saver."""
+def server_settings(cfg: RunConfig, layout, out: Path, model_dir: str, trainers,
+                    api_key: str | None = None) -> list:
+    """One SGLang server's settings per generator, all with the run's `api_key`; colocated ones
+    (GPU) get their trainer ranks' GPUs and SGLang's memory saver."""
     from megatron_rl.rollout import SGLangServerSettings
 
     settings = []
@@ -143,6 +190,7 @@ def server_settings(cfg: RunConfig, layout, out: Path, model_dir: str, trainers)
             fields = dict(enable_memory_saver=True,
                           visible_devices=tuple(g for n in nodes for g in n.gpu_ids))
         settings.append(SGLangServerSettings.from_rollout_config(
-            cfg.rollout, model_dir, random_seed=cfg.seed + i,
+            cfg.rollout, model_dir, random_seed=cfg.seed + i, api_key=api_key,
+            startup_timeout_s=cfg.rollout.engine_start_timeout_s,
             log_path=str((out / f"generator-{i}.log").resolve()), **fields))
     return settings

@@ -177,6 +177,15 @@ class Placement:
         return {"num_cpus": resources["CPU"], "num_gpus": resources.get("GPU", 0),
                 "scheduling_strategy": self.scheduling(self.layout.generator_bundle_index(index))}
 
+    def bundle_nodes(self) -> dict[int, str]:
+        """{bundle index: Ray node id} as the GCS has placed them now; "" for a bundle whose
+        node was lost and that Ray has not placed again yet (the group is RESCHEDULING: it
+        takes the first node with room, and actors waiting for that bundle start there)."""
+        from ray.util import placement_group_table
+
+        table = placement_group_table(self.placement_group)
+        return {int(i): node or "" for i, node in table.get("bundles_to_node_id", {}).items()}
+
     def remove(self) -> None:
         from ray.util import remove_placement_group
 

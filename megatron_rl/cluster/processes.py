@@ -2,9 +2,10 @@
 group (an SGLang server and the scheduler / detokenizer it spawned) and picking a rendezvous port.
 
 `kill_process_group` exists because stopping a server's leader is not enough: when the leader has
-already exited, `SGLangServer.shutdown` returns without signalling the group, and its children
-(re-parented to init) would live on. A group is identified by its leader's pid and start time, so
-a pid the kernel has since reused for an unrelated process is never signalled.
+already exited, `SGLangServer.shutdown` returns without signalling the group. Its children die
+with it (PR_SET_PDEATHSIG, megatron_rl.rollout.engine_lifetime); the sweep is the backstop for
+any process of the group that outlived it all the same. A group is identified by its leader's pid
+and start time, so a pid the kernel has since reused for an unrelated process is never signalled.
 """
 from __future__ import annotations
 

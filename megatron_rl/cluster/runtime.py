@@ -19,6 +19,9 @@ Either way, the NCCL settings that trainer ranks and generator engines must shar
 are the job's runtime_env, so every actor of the run and every process it starts gets the same
 values, whatever the environment of the node it runs on.
 
+Lost nodes: `lost_nodes` asks the GCS which of the run's nodes it no longer counts alive (the
+driver's health check polls it; docs/fault_tolerance.md, "Node failures").
+
 Everything the cluster layer creates registers its stop function here (`on_shutdown`), so that
 `RayCluster.shutdown()` stops trainer ranks, generators (their SGLang servers included),
 placement groups and finally Ray itself, in reverse order of creation, every step attempted even
@@ -29,12 +32,13 @@ installs it editable) or be on PYTHONPATH on every node.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from megatron_rl.cluster.placement import (GENERATOR_NODE_RESOURCE, TRAINER_NODE_RESOURCE,
                                            ClusterLayout, Placement, reserve_placement_group)
@@ -93,12 +97,59 @@ class ClusterSettings:
         return self.address is None
 
 
+def lost_nodes(node_ids: Iterable[str]) -> dict[str, str]:
+    """{node id: its address} of those of `node_ids` that Ray's GCS no longer counts alive.
+    The GCS declares a node dead when its raylet ends (at once) or stops answering its health
+    checks (RAY_health_check_period_ms x RAY_health_check_failure_threshold: 3 s x 5 by
+    default), and then also fails every call to the node's actors (ActorDiedError): a lost node
+    is seen in seconds, whatever the run was waiting for."""
+    import ray
+
+    table = {node["NodeID"]: node for node in ray.nodes()}
+    lost = {}
+    for node_id in set(node_ids):
+        node = table.get(node_id)
+        if node is None or not node["Alive"]:
+            lost[node_id] = node["NodeManagerAddress"] if node is not None else "(unknown)"
+    return lost
+
+
 def _is_loopback_address(address: str) -> bool:
     """Whether a "host:port" address is on the loopback interface (a local cluster started by
     RayCluster in another process): Ray would rewrite 127.0.0.1 to the machine's external
     address, where that cluster does not listen."""
     host = address.rsplit(":", 1)[0].strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
+
+
+# Ray gives a new local node's raylet a fixed 30 s to register (ray/_private/node.py); on a
+# machine loaded by other work it can take longer. The start is then tried again, this often.
+LOCAL_START_ATTEMPTS = 3
+
+
+def _start_local(init: Callable):
+    """`init()` (ray.init of a new local cluster), again after Ray's "timed out during startup"
+    with the processes the failed attempt started SIGKILLed (Ray leaves them running)."""
+    import psutil
+
+    me = psutil.Process()
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            return init()
+        except Exception as exc:  # noqa: BLE001 (Ray raises a bare Exception for this)
+            if "timed out during startup" not in str(exc) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            started = [p for p in me.children(recursive=True) if p.pid not in before]
+            for process in started:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+            psutil.wait_procs(started, timeout=10)
+            from megatron_rl.console import notice
+
+            notice(f"the local Ray node did not register within Ray's 30 s (a loaded machine?); "
+                   f"starting it again (attempt {attempt + 1} of {LOCAL_START_ATTEMPTS})")
+    raise AssertionError("unreachable")
 
 
 class RayCluster:
@@ -150,13 +201,13 @@ class RayCluster:
                 # Ray read the variable when it was first imported (maybe before this call).
                 ray_constants.ENABLE_RAY_CLUSTER = False
             if settings.is_local:
-                context = ray.init(
+                context = _start_local(lambda: ray.init(
                     address="local", num_cpus=settings.num_cpus, num_gpus=settings.num_gpus,
                     object_store_memory=settings.object_store_mb * 2**20,
                     include_dashboard=False, namespace=settings.namespace,
                     log_to_driver=settings.log_to_driver, _node_ip_address=_LOOPBACK,
                     _temp_dir=settings.temp_dir, runtime_env=runtime_env,
-                    logging_level=logging.WARNING)  # not "Started a local Ray instance."
+                    logging_level=logging.WARNING))  # not "Started a local Ray instance."
             else:
                 context = ray.init(address=settings.address, namespace=settings.namespace,
                                    log_to_driver=settings.log_to_driver,

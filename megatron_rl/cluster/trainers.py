@@ -14,10 +14,11 @@ node, in local-rank order, so that device LOCAL_RANK is its own (what init_distr
 and NCCL sees its node peers as torchrun would show them.
 
 Every method of a worker is collective (all ranks call it, in the same order); `TrainerGroup`
-does that and returns rank 0's result. Only typed objects cross the actor boundary: TrainBatch,
-StepMetrics, SyncReport, CheckpointState, GeneratorEndpoint, the RunConfig (and the driver-owned
-checkpoint `extra_state`, which RLTrainer pickles as it is). Paths must be absolute: the actors'
-working directory is not the driver's.
+does that and returns rank 0's result, waiting for each kind of call at most the run config's
+timeout for it (`TrainerTimeouts`): no call of the driver on the trainer waits unbounded. Only
+typed objects cross the actor boundary: TrainBatch, StepMetrics, SyncReport, CheckpointState,
+GeneratorEndpoint, the RunConfig (and the driver-owned checkpoint `extra_state`, which RLTrainer
+pickles as it is). Paths must be absolute: the actors' working directory is not the driver's.
 """
 from __future__ import annotations
 
@@ -99,6 +100,39 @@ def rank_environments(nodes: Sequence[WorkerNode], rendezvous: Rendezvous,
             visible_devices=tuple(gpus) if gpus else None,
             launch=tuple(sorted((launch or {}).items()))))
     return envs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerTimeouts:
+    """The driver's wait (seconds) for each kind of trainer call; past it the call raises
+    TimeoutError, which the driver counts as a hung trainer (resilience/recovery.py)."""
+
+    start: float = 900.0  # train.start_timeout_s: place the ranks, build the trainer
+    step: float = 3600.0  # train.step_timeout_s
+    sync: float = 1800.0  # weight_sync.sync_timeout_s: connect, sync, sync a restarted engine
+    checkpoint: float = 1800.0  # checkpoint.timeout_s: save, finish an async save, load
+
+    @classmethod
+    def from_run_config(cls, run) -> "TrainerTimeouts":
+        return cls(start=run.train.start_timeout_s, step=run.train.step_timeout_s,
+                   sync=run.weight_sync.sync_timeout_s, checkpoint=run.checkpoint.timeout_s)
+
+    def of(self, method: str) -> float:
+        """The timeout of TrainerWorker.`method`."""
+        kind = _CALL_KINDS.get(method)
+        if kind is None:
+            raise ValueError(f"TrainerWorker.{method}: no timeout is set for this call; add it "
+                             "to megatron_rl/cluster/trainers.py _CALL_KINDS")
+        return getattr(self, kind)
+
+
+_CALL_KINDS = {
+    "node": "start", "pick_rendezvous": "start", "setup": "start", "monitor_status": "start",
+    "train_step": "step",
+    "connect_generators": "sync", "sync_weights": "sync", "sync_new_generators": "sync",
+    "save_checkpoint": "checkpoint", "finalize_checkpoints": "checkpoint",
+    "load_checkpoint": "checkpoint", "load_model_weights": "checkpoint",
+}
 
 
 class TrainerWorker:
@@ -246,7 +280,7 @@ class TrainerWorker:
         settings = WeightSyncSettings.from_run_config(
             self.run_config, hf_config_dir=hf_config_dir,
             master_address=ray.util.get_node_ip_address())
-        clients = [SGLangGenerator(g.url, num_ranks=g.num_ranks,
+        clients = [SGLangGenerator(g.url, num_ranks=g.num_ranks, api_key=g.api_key,
                                    request_timeout_s=settings.timeout_s) for g in generators]
         return WeightSync(trainer.model, hf_family.weight_groups(), clients, settings,
                           hf_vocab_size=hf_family.hf_config.vocab_size)
@@ -305,18 +339,19 @@ class TrainerWorker:
 class TrainerGroup:
     """The trainer's ranks, one `TrainerWorker` actor each, called together."""
 
-    def __init__(self, placement, workers: list):
+    def __init__(self, placement, workers: list, timeouts: TrainerTimeouts = TrainerTimeouts()):
         self.placement = placement
         self.workers = workers
+        self.timeouts = timeouts
         self.nodes: list = []  # WorkerNode per rank (node, GPU ids), once created
         self._stopped = False
 
     @classmethod
     def create(cls, placement, run_config, *, family=None,
-               config_overrides: dict[str, Any] | None = None,
-               timeout_s: float | None = 900.0) -> "TrainerGroup":
+               config_overrides: dict[str, Any] | None = None) -> "TrainerGroup":
         """Start `placement.layout.num_trainer_ranks` workers (= parallelism.world_size) and
-        build the trainer on all of them; on failure every worker is stopped."""
+        build the trainer on all of them, within train.start_timeout_s; on failure every
+        worker is stopped. Later calls wait as `TrainerTimeouts` says."""
         import ray
 
         from megatron_rl.platform.environment import trainer_environment
@@ -330,12 +365,14 @@ class TrainerGroup:
         actor = actor_class(TrainerWorker)
         workers = [actor.options(**placement.trainer_options(rank), max_restarts=0).remote(rank)
                    for rank in range(world_size)]
-        group = cls(placement, workers)
+        group = cls(placement, workers, TrainerTimeouts.from_run_config(run_config))
+        timeout_s = group.timeouts.start
         placement.cluster.on_shutdown("trainer ranks", group.shutdown)
         try:
-            nodes = group._call_all("node", timeout_s=timeout_s)
+            nodes = group._call_all("node")
             group.nodes = list(nodes)
-            rendezvous = ray.get(workers[0].pick_rendezvous.remote(), timeout=timeout_s)
+            [rendezvous] = gather([workers[0].pick_rendezvous.remote()], group._labels()[:1],
+                                  what="picking the rendezvous", timeout_s=timeout_s)
             envs = rank_environments(nodes, rendezvous, launch=trainer_environment(
                 cuda_ipc=run_config.weight_sync.transport == "tensor"))
             config_ref = ray.put(run_config)
@@ -355,7 +392,8 @@ class TrainerGroup:
     def call(self, method: str, *args: Any, timeout_s: float | None = None,
              **kwargs: Any) -> Any:
         """Call `method` on every rank (collective) and return rank 0's result; the first rank
-        to fail raises (see megatron_rl.cluster.remote.gather)."""
+        to fail raises (see megatron_rl.cluster.remote.gather). `timeout_s`: the call's own
+        timeout (`TrainerTimeouts.of(method)`) unless given."""
         return self._call_all(method, *args, timeout_s=timeout_s, **kwargs)[0]
 
     def train_step(self, batch, *, timeout_s: float | None = None):
@@ -402,16 +440,28 @@ class TrainerGroup:
         self._stopped = True
         import ray
 
+        from megatron_rl.resilience.stop import RUN_STOP
+
+        if RUN_STOP.requested:  # a stopping run: ranks a stop left inside a call never answer
+            timeout_s = min(timeout_s, 10.0)
         refs = [w.shutdown.remote() for w in self.workers]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         kill_actors(self.workers)
 
     def _call_all(self, method: str, *args: Any, timeout_s: float | None = None,
                   **kwargs: Any) -> list[Any]:
+        from megatron_rl.resilience.stop import StopRequested
+
         if self._stopped:
             raise RuntimeError("the trainer group has been shut down")
+        timeout_s = self.timeouts.of(method) if timeout_s is None else timeout_s
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return gather(refs, self._labels(), what=f"TrainerWorker.{method}", timeout_s=timeout_s)
+        try:
+            return gather(refs, self._labels(), what=f"TrainerWorker.{method}",
+                          timeout_s=timeout_s)
+        except StopRequested as stop:  # the ranks are still inside the call
+            stop.no_checkpoint = True
+            raise
 
     def _labels(self) -> list[str]:
         return [f"trainer rank {rank}" for rank in range(len(self.workers))]

@@ -14,12 +14,15 @@ from megatron_rl.console import notice
 
 class WeightPusher:
     """`urls()` gives the engines' current URLs (a restart may change them), `clients` the run's
-    HTTP clients (their activity counters measure what a pause cost)."""
+    HTTP clients (their activity counters measure what a pause cost), `api_key` the engines'.
+    `wait(coroutine)` runs a wait for generation on the rollout loop while the generators are
+    health-checked, and a graceful stop abandons it (GeneratorHealth.wait)."""
 
     def __init__(self, cfg: RunConfig, *, loop, manager, urls: Callable[[], list[str]],
-                 clients: list, colocated: bool):
+                 clients: list, colocated: bool, wait: Callable, api_key: str | None = None):
         self.cfg, self.loop, self.manager = cfg, loop, manager
         self._urls, self.clients, self.colocated = urls, clients, colocated
+        self._api_key, self._wait = api_key, wait
         self.released = False  # colocated: the engines' memory is released for training
 
     def release(self) -> float:
@@ -27,20 +30,24 @@ class WeightPusher:
         (SGLang requires an idle engine; the synchronous schedules RunConfig requires admit
         nothing new before the next version, and under ppo_off_policy this waits for the rest
         of the round's groups). Returns the seconds it took."""
-        from megatron_rl.rollout import SGLangGenerator
-
         started = time.perf_counter()
-        self.loop.call(self.manager.wait_until_idle())
+        self._wait(self.manager.wait_until_idle())
         for url in self._urls():
-            SGLangGenerator(url).release_memory()
+            self._engine(url).release_memory()
         self.released = True
         return time.perf_counter() - started
 
     def _resume(self, tags) -> None:
+        for url in self._urls():
+            self._engine(url).resume_memory(tags)
+
+    def _engine(self, url: str):
+        """An engine's control client: a request waits at most weight_sync.timeout_s (with the
+        client's retries), like every step of a sync."""
         from megatron_rl.rollout import SGLangGenerator
 
-        for url in self._urls():
-            SGLangGenerator(url).resume_memory(tags)
+        return SGLangGenerator(url, api_key=self._api_key,
+                               request_timeout_s=self.cfg.weight_sync.timeout_s)
 
     def push(self, sync: Callable, check_generators: Callable[..., None]):
         """Sync the new weights into the engines (`sync()` runs the trainer group's sync and

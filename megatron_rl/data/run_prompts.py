@@ -39,11 +39,15 @@ def load_run_prompts(cfg: RunConfig, tokenizer, registry) -> RunPrompts:
                           f"{len(records)} or give more prompts")
     token_ids = _tokenize(records, locations, tokenizer)
     _check_prompt_lengths(cfg, records, locations, token_ids)
-    train, heldout = split_heldout(records, num_heldout=num_heldout, seed=cfg.seed)
+    train, heldout = split_heldout(records, num_heldout=num_heldout, seed=_split_seed(cfg))
     ids_of = {record.prompt_id: ids for record, ids in zip(records, token_ids)}
     return RunPrompts(train_records=train, heldout_records=heldout,
                       train_prompt_ids=[ids_of[r.prompt_id] for r in train],
                       heldout_prompt_ids=[ids_of[r.prompt_id] for r in heldout])
+
+
+def _split_seed(cfg: RunConfig) -> int:
+    return cfg.seed if cfg.data.split_seed is None else cfg.data.split_seed
 
 
 def check_context_length(cfg: RunConfig) -> None:
@@ -78,7 +82,7 @@ def _read_records(cfg: RunConfig) -> tuple[list[PromptRecord], list[str], str]:
         try:
             records = reasoning_gym_prompts(source[len(PROCEDURAL_TASK_PREFIX):],
                                             num_prompts=cfg.data.num_generated_prompts,
-                                            seed=cfg.seed)
+                                            seed=_split_seed(cfg))
         except ValueError as exc:
             raise ConfigError(f"data.prompts: {exc}") from None
         locations = [f"data.prompts {source} item {index}" for index in range(len(records))]

@@ -49,7 +49,7 @@ breaks without it (CPU_STACK.md, verified by switching it off):
    multiprocessing's spawn, so each child imports torch, transformers and sglang again (~10 s of
    CPU each, ~2/3 of a tiny server's start on 2 cores). On CPU the children are forked from the
    server process instead, which has imported all that with these fixes applied, when it runs no
-   other thread than a sleeping watcher (checked: no OpenMP pool or I/O thread is copied); else
+   other thread (checked: no OpenMP pool or I/O thread is copied); else
    from a forkserver that preloads it (`megatron_rl.platform.sglang_forkserver`). See
    `_start_children_forked` (MEGATRON_RL_SGLANG_CHILDREN=fork|forkserver|spawn chooses).
 """
@@ -509,15 +509,16 @@ def _patch_kv_budget(module) -> None:
 # 12. SGLang's children forked instead of spawned (start-up cost). SGLang sets the start method to
 #     spawn in `_set_envs_and_config`, just before it starts the scheduler(s) and the
 #     detokenizer; the wrapper switches it right after, to
-#     - fork, when the server process runs no thread but the main one and the launcher's
-#       `exit-with-parent` watcher (a Python thread that sleeps; checked in /proc, so that no
-#       native thread, e.g. an OpenMP pool, a ZMQ or gRPC I/O thread, goes unseen): nothing can
-#       hold a lock across the fork, and the children start with sglang and these fixes already
-#       imported. SGLang's children set PR_SET_PDEATHSIG themselves and report a crash with
-#       SIGQUIT to their parent, the server process, as with spawn;
+#     - fork, when the server process runs no thread but the main one (checked in /proc, so
+#       that no native thread, e.g. an OpenMP pool, a ZMQ or gRPC I/O thread, goes unseen):
+#       nothing can hold a lock across the fork, and the children start with sglang and these
+#       fixes already imported. They die with the server process (PR_SET_PDEATHSIG, set by the
+#       launcher's at-fork hook, megatron_rl.rollout.engine_lifetime, and again by SGLang) and
+#       report a crash with SIGQUIT to it, as with spawn;
 #     - otherwise, forkserver: one process per server, spawned on the first child's start, that
 #       preloads `megatron_rl.platform.sglang_forkserver` (these fixes, the scheduler and
-#       detokenizer modules, PR_SET_PDEATHSIG to the server process and a SIGQUIT relay to it)
+#       detokenizer modules, its life and its children's tied to the server process, and a
+#       SIGQUIT relay to it)
 #       before any thread exists. It imports sglang once more (~10 s of CPU), where spawn
 #       imports it once per child.
 #     The server's child environment tweaks done per child start (NUMA binding, GPU memory
@@ -528,7 +529,6 @@ def _patch_kv_budget(module) -> None:
 FORKSERVER_PRELOAD = ("megatron_rl.platform.sglang_forkserver",)
 CHILD_START_ENV = "MEGATRON_RL_SGLANG_CHILDREN"
 CHILD_START_METHODS = ("fork", "forkserver", "spawn")
-_FORK_SAFE_THREADS = ("exit-with-parent",)  # megatron_rl.rollout.sglang_launch's watcher
 
 
 def child_start_method() -> str:
@@ -540,15 +540,15 @@ def child_start_method() -> str:
 
 
 def threads_unsafe_to_fork() -> list[str]:
-    """The threads of this process, other than the main one and the known sleeping watchers,
-    that a fork would copy mid-work (native threads show as their /proc comm names)."""
+    """The threads of this process other than the main one: a fork would copy them mid-work
+    (native threads show as their /proc comm names)."""
     import threading
 
     python = {t.native_id: t.name for t in threading.enumerate()}
     main = threading.main_thread().native_id
     unsafe = []
     for tid in sorted(int(t) for t in os.listdir("/proc/self/task")):
-        if tid == main or python.get(tid) in _FORK_SAFE_THREADS:
+        if tid == main:
             continue
         if tid in python:
             unsafe.append(python[tid])

@@ -28,6 +28,33 @@ class RunStopped(RuntimeError):
     """The run stopped itself (a checkpoint was written); the message says why and what next."""
 
 
+class NodeLost(RunStopped):
+    """A node the run cannot go on without is gone (it held a trainer rank or the driver), or
+    fewer than rollout.min_generators engines could be placed: the run stops, and the
+    scheduler should requeue it with --resume on a healthy allocation."""
+
+    exit_status = 75  # EX_TEMPFAIL (sysexits.h): a temporary failure, run it again
+
+
+def resume_hint(cfg: RunConfig) -> str:
+    """What a `--resume` of this run will load (the newest valid checkpoint)."""
+    from megatron_rl.resilience.checkpoint import latest_valid
+
+    path = latest_valid(Path(cfg.checkpoint_dir).resolve(), warn=lambda _: None)
+    if path is None:
+        return "there is no checkpoint yet: start the run again (without --resume)"
+    return f"`megatron-rl train ... --resume` continues from {path}"
+
+
+def node_lost_message(cfg: RunConfig, lost: dict[str, str], held: dict[str, list[str]]) -> str:
+    """One line: which node(s) were lost ({node id: address}), what ran there, what next."""
+    nodes = "; ".join(f"node {address} (Ray node id {node_id[:12]}) with "
+                      f"{', '.join(held.get(node_id) or ['nothing of this run'])}"
+                      for node_id, address in lost.items())
+    return (f"lost {nodes}: the run cannot go on without it (exit status "
+            f"{NodeLost.exit_status}: requeue it). {resume_hint(cfg)}")
+
+
 def trainer_call(call: Callable):
     """Run a call on the trainer group; a rank that died (Ray actor death) or hung (no answer
     within its timeout) raises TrainerFailure."""
@@ -40,38 +67,49 @@ def trainer_call(call: Callable):
 
 
 class GeneratorHealth:
-    """Health of the generator engines and the reward workers while the driver waits.
+    """Health of the generator engines, their nodes and the reward workers while the driver
+    waits.
 
-    `clients` is the run's list of HTTP clients (one per engine), shared with the rollout
-    manager and the metrics; a restart replaces its entry. `resync(endpoint)` brings a restarted
-    engine to the current weights and version; `new_client(url)` makes its client;
-    `on_restarted()` runs after a restart (processes.json)."""
+    `cluster` is the RunCluster (its generator pool, trainer group, placement); `clients` the
+    run's list of HTTP clients (one per engine), shared with the rollout manager and the
+    metrics: a restart replaces its entry. `version()` is the policy version the generators
+    hold, which a restarted engine receives; `new_client(url)` makes its client;
+    `on_restarted()` runs after an engine joins or leaves (processes.json)."""
 
-    def __init__(self, cfg: RunConfig, out: Path, *, generators, loop, manager,
-                 clients: list, math_verifier, resync: Callable, new_client: Callable,
+    def __init__(self, cfg: RunConfig, out: Path, *, cluster, loop, manager, clients: list,
+                 math_verifier, version: Callable[[], int], new_client: Callable,
                  on_restarted: Callable[[], None]):
         self.cfg, self.out = cfg, out
-        self.generators, self.loop, self.manager, self.clients = generators, loop, manager, clients
+        self.cluster, self.loop, self.manager, self.clients = cluster, loop, manager, clients
+        self.generators = cluster.generators
         self.math_verifier = math_verifier
-        self._resync, self._new_client, self._on_restarted = resync, new_client, on_restarted
+        self._version, self._new_client, self._on_restarted = version, new_client, on_restarted
         # Restarts of a generator in a row: one that fails again within _STABLE_S of its
         # restart (a crash loop) counts on; rollout.max_generator_restarts of them: given up.
         self._restarts: dict[int, int] = {}
         self._restarted_at: dict[int, float] = {}
         self._strikes: dict[int, int] = {}  # failed timer health checks in a row
         self._given_up: set[int] = set()
+        self._lost: dict[int, str] = {}  # generator -> why its node is gone (not yet handled)
+        self._placing: dict[int, dict] = {}  # generator being re-created -> its fault record
+        self._below_min_since: float | None = None
         self._last_check = 0.0
         self._failures: list = []  # GeneratorFailure reports not yet recovered
 
     def wait(self, coroutine):
         """Run a coroutine on the rollout loop; while it runs, failed generators are restarted
-        and failed reward workers recorded."""
+        and failed reward workers recorded. A graceful stop abandons it (StopRequested, within
+        WAIT_SLICE_S; resilience/stop.py)."""
+        from megatron_rl.resilience.stop import RUN_STOP, WAIT_SLICE_S
+
+        what = f"waiting for {coroutine.__qualname__}"
         future = self.loop.submit(coroutine)
         try:
             while True:
                 try:
-                    return future.result(timeout=1.0)
+                    return future.result(timeout=WAIT_SLICE_S)
                 except TimeoutError:
+                    RUN_STOP.abandon_if_requested(what)
                     self.record_reward_faults()
                     self.check()
         except BaseException:
@@ -86,17 +124,30 @@ class GeneratorHealth:
             notice(f"reward worker: {fault['what']}; its samples are scored again by a fresh "
                    "worker")
 
+    def in_rotation(self) -> int:
+        """How many engines are in the rotation (serving the run's requests)."""
+        return len(self.clients) - len(self.loop.run(lambda: self.manager.down))
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/engines_in_rotation": float(self.in_rotation())}
+
     def check(self, *, now: bool = False, strikes: int = _HEALTH_STRIKES) -> None:
-        """Health-check every generator (every rollout.health_check_interval_s, or `now`),
-        take the ones failing `strikes` checks in a row, a request, or the liveness rule (no
-        progress for rollout.no_progress_timeout_s, docs/pipeline.md) out of the rotation and
-        restart them. A failed rollout task (RolloutError) is raised here."""
+        """Health-check every generator in the rotation and the run's nodes (every
+        rollout.health_check_interval_s, or `now`: before a weight sync). A lost node that held
+        a trainer rank or the driver stops the run (NodeLost); one that held generators takes
+        them out of the rotation, to be re-created when Ray can place them again. Generators
+        failing `strikes` checks in a row, a request, or the liveness rule (no progress for
+        rollout.no_progress_timeout_s, docs/pipeline.md) are taken out and restarted. With
+        `now`, the trainer's weight sync is connected to the engines in the rotation. A failed
+        rollout task (RolloutError) is raised here."""
         self.loop.run(self.manager.raise_if_failed)  # a rollout task's failure stops the run
         interval = self.cfg.rollout.health_check_interval_s
         if now or time.monotonic() - self._last_check >= interval:
             self._last_check = time.monotonic()
+            self._check_nodes()
             up = set(range(len(self.clients))) - self.loop.run(lambda: self.manager.down)
-            unhealthy = self.generators.unhealthy(timeout_s=30.0)
+            unhealthy = self.generators.unhealthy(
+                sorted(up), timeout_s=self.cfg.rollout.health_check_timeout_s)
             for index in up:
                 self._strikes[index] = self._strikes.get(index, 0) + 1 \
                     if index in unhealthy else 0
@@ -110,57 +161,207 @@ class GeneratorHealth:
                 self.loop.call(self.manager.check_liveness(
                     self.cfg.rollout.no_progress_timeout_s))
         self._failures += self.loop.run(self.manager.take_failures)
-        down = self.loop.run(lambda: self.manager.down) - self._given_up
+        down = self.loop.run(lambda: self.manager.down) - self._given_up - set(self._placing)
         for index in sorted(down):
             self._restart(index)
-        if len(self._given_up) == len(self.clients):
-            raise RunStopped("every generator failed and could not be restarted "
-                             f"(rollout.max_generator_restarts="
-                             f"{self.cfg.rollout.max_generator_restarts}); "
-                             "see the generator logs in output_dir")
+        if not now:  # before a sync the trainer holds newer weights than the version
+            self._take_back_placed()
+        self._check_enough()
+        if now:
+            while not self.in_rotation():  # nothing to sync into: wait (bounded) for one
+                from megatron_rl.resilience.stop import RUN_STOP, WAIT_SLICE_S
+
+                RUN_STOP.abandon_if_requested("waiting for a generator to sync weights into")
+                time.sleep(WAIT_SLICE_S)
+                self._take_back_placed()
+                self._check_enough()
+            self._connect_rotation()
+
+    # ------------------------------------------------------------------ nodes
+
+    def _check_nodes(self) -> None:
+        """Ray's node state: NodeLost for a lost node of a trainer rank or the driver; the
+        generators of a lost node are taken out of the rotation (their groups re-queued)."""
+        from megatron_rl.cluster.runtime import lost_nodes
+
+        self.cluster.stop_if_trainer_node_lost(self.cfg)
+        serving = self.generators.serving()
+        lost = lost_nodes(e.node_id for e in serving.values())
+        for index, endpoint in serving.items():
+            if endpoint.node_id in lost:
+                self._lost[index] = (f"its node {lost[endpoint.node_id]} (Ray node id "
+                                     f"{endpoint.node_id[:12]}) was lost")
+                self.loop.run(lambda i=index, why=self._lost[index]: self.manager.mark_down(
+                    i, f"{endpoint.describe()}: {why}"))
+
+    def _check_enough(self) -> None:
+        """Fewer than rollout.min_generators engines in the rotation: the run goes on while
+        it waits for Ray to place the missing ones, up to rollout.engine_start_timeout_s, then
+        stops (NodeLost); at once when too many were given up to ever get back there."""
+        need, total = self.cfg.rollout.min_engines, len(self.clients)
+        up = self.in_rotation()
+        if total - len(self._given_up) < need:
+            raise RunStopped(
+                f"{len(self._given_up)} of {total} generators failed and could not be "
+                f"restarted (rollout.max_generator_restarts="
+                f"{self.cfg.rollout.max_generator_restarts}); the run needs "
+                f"{need} (rollout.min_generators). See the generator logs in output_dir; "
+                f"{resume_hint(self.cfg)}")
+        if up >= need:
+            self._below_min_since = None
+            return
+        waited = 0.0 if self._below_min_since is None \
+            else time.monotonic() - self._below_min_since
+        if self._below_min_since is None:
+            self._below_min_since = time.monotonic()
+            notice(f"{up} of {total} generator engines in the rotation, fewer than "
+                   f"rollout.min_generators={need}: waiting up to "
+                   f"{self.cfg.rollout.engine_start_timeout_s:.0f} s "
+                   "(rollout.engine_start_timeout_s) for Ray to place the missing ones")
+        elif waited > self.cfg.rollout.engine_start_timeout_s:
+            missing = ", ".join(repr(self.generators.names[i]) for i in sorted(self._placing))
+            raise NodeLost(
+                f"only {up} of {total} generator engines in the rotation for {waited:.0f} s, "
+                f"fewer than rollout.min_generators={need}: Ray could not place "
+                f"{missing or 'the missing engines'} again within "
+                "rollout.engine_start_timeout_s. Give the cluster nodes with room for them; "
+                f"{resume_hint(self.cfg)}")
+
+    # ------------------------------------------------------------------ restarts
 
     def _restart(self, index: int) -> None:
         """Restart generator `index`, bring it to the current weights and version over a group
-        of its own, and put it back in the rotation; bounded attempts with backoff."""
+        of its own, and put it back in the rotation; bounded attempts with backoff. One whose
+        node is gone (or whose actor cannot be placed) is re-created when Ray can place it."""
+        from megatron_rl.cluster.generators import GeneratorUnplaceable
+
         failure = next((f for f in self._failures if f.index == index), None)
         name = self.generators.names[index]
         fault = dict(kind="generator", what=failure.reason if failure else name,
                      detected_at=failure.detected_at if failure else time.time(),
                      requeued_groups=failure.requeued_groups if failure else 0, steps_lost=0)
-        limit = self.cfg.rollout.max_generator_restarts
+        if index in self._lost:  # the node is gone: no restart in place
+            self._place_later(index, fault, self._lost.pop(index))
+            return
         if time.monotonic() - self._restarted_at.get(index, -math.inf) > _STABLE_S:
             self._restarts[index] = 0  # it served a while: a new failure, not a loop
         while True:
             attempt = self._restarts.get(index, 0)
-            if attempt >= limit:
-                self._given_up.add(index)
-                notice(f"generator {name!r}: given up after {attempt} restart(s) that did not "
-                       f"last {_STABLE_S:.0f} s; the run goes on with the others")
-                ledger.record_fault(self.out, recovered=False, **fault)
+            if attempt >= self.cfg.rollout.max_generator_restarts:
+                self._give_up(index, fault, attempt)
                 return
             notice(f"generator {name!r} failed ({fault['what'].splitlines()[0][:200]}); "
-                   f"restarting it (attempt {attempt + 1} of {limit})")
+                   f"restarting it (attempt {attempt + 1} of "
+                   f"{self.cfg.rollout.max_generator_restarts})")
             self._restarts[index] = attempt + 1
             try:
-                endpoint = self.generators.restart(index, timeout_s=self.cfg.train.step_timeout_s)
-                version = self._resync(endpoint)
-                break
+                endpoint = self.generators.restart(index)
+                self._take_back(index, endpoint, fault)
+                return
+            except GeneratorUnplaceable as exc:
+                self._place_later(index, fault, str(exc))
+                return
             except TrainerFailure:
                 raise
             except Exception as exc:  # noqa: BLE001 (retried with backoff, then given up)
                 notice(f"generator {name!r}: restart failed: {type(exc).__name__}: "
                        f"{str(exc).splitlines()[0][:300]}")
                 time.sleep(min(60.0, 2.0 * 2 ** attempt))
+
+    def _give_up(self, index: int, fault: dict, attempts: int) -> None:
+        self._given_up.add(index)
+        notice(f"generator {self.generators.names[index]!r}: given up after {attempts} "
+               f"restart(s) that did not last {_STABLE_S:.0f} s; the run goes on with the "
+               "others")
+        self._drop_failure(index)
+        ledger.record_fault(self.out, recovered=False, **fault)
+
+    def _place_later(self, index: int, fault: dict, why: str) -> None:
+        """Re-create generator `index` in its bundle once Ray can place it; the run goes on
+        without it meanwhile."""
+        self.generators.replace(index)
+        first, name = fault["what"].splitlines()[0][:200], self.generators.names[index]
+        if "was lost" not in first:  # first seen by a request or a health check
+            why = why.splitlines()[0][:300]
+            fault["what"] = (why if why.startswith(f"generator {name!r}")
+                             else f"generator {name!r}: {why}") + f" (first seen as: {first})"
+        self._placing[index] = fault
+        self._on_restarted()
+        notice(f"generator {self.generators.names[index]!r} left the rotation: "
+               f"{why.splitlines()[0][:300]}. The run goes on with {self.in_rotation()} of "
+               f"{len(self.clients)} engines; it is re-created when Ray can place it (the node "
+               "back, or another with room)")
+
+    def _take_back_placed(self) -> None:
+        """Bring the re-created generators that Ray placed and that started into the rotation;
+        one that failed to start is re-created again (counted as a restart)."""
+        if not self._placing:
+            return
+        for index, result in self.generators.poll_replacements().items():
+            fault = self._placing.pop(index)
+            if not isinstance(result, Exception):
+                try:
+                    self._take_back(index, result, fault)
+                    continue
+                except TrainerFailure:
+                    raise
+                except Exception as exc:  # noqa: BLE001 (counted, placed again)
+                    result = exc
+            attempt = self._restarts.get(index, 0) + 1
+            self._restarts[index] = attempt
+            notice(f"generator {self.generators.names[index]!r}: re-creating it failed "
+                   f"({type(result).__name__}: {str(result).splitlines()[0][:300]})")
+            if attempt >= self.cfg.rollout.max_generator_restarts:
+                self._give_up(index, fault, attempt)
+            else:
+                self._place_later(index, fault, "its start failed")
+
+    def _take_back(self, index: int, endpoint, fault: dict) -> None:
+        """A (re)started engine to the current weights and version over a weight-update group
+        of its own (the others go on generating), then back in the rotation, and the trainer's
+        weight sync over every engine in the rotation."""
+        name = self.generators.names[index]
+        if self.generators.connected - self._names(self._rotation()) - {name}:
+            self._connect_rotation()  # engines that left since: out of the trainer's sync
+        version = self._version()
+        trainer_call(lambda: self.cluster.trainers.sync_new_generators(
+            [endpoint], self.cluster.model_dir, version))
         self._restarted_at[index] = time.monotonic()
         client = self._new_client(endpoint.url)
         old, self.clients[index] = self.clients[index], client
         self.loop.call(old.close())
         self.loop.run(lambda: self.manager.mark_up(index, client))
         self._on_restarted()
-        if failure is not None:
-            self._failures.remove(failure)
+        self._drop_failure(index)
         ledger.record_fault(self.out, **fault)
-        notice(f"generator {name!r} is back at {endpoint.url} with policy version {version}")
+        self._connect_rotation()
+        notice(f"generator {name!r} is back at {endpoint.url} (node {endpoint.node_ip}) with "
+               f"policy version {version}; {self.in_rotation()} of {len(self.clients)} engines "
+               "in the rotation")
+
+    def _drop_failure(self, index: int) -> None:
+        self._failures = [f for f in self._failures if f.index != index]
+
+    # ------------------------------------------------------------------ the trainer's sync
+
+    def _rotation(self) -> dict:
+        """{index: endpoint} of the engines in the rotation."""
+        down = self.loop.run(lambda: self.manager.down)
+        return {i: e for i, e in self.generators.serving().items() if i not in down}
+
+    @staticmethod
+    def _names(endpoints: dict) -> set[str]:
+        return {e.name for e in endpoints.values()}
+
+    def _connect_rotation(self) -> None:
+        """Connect the trainer's weight sync to the engines in the rotation, when it covers
+        others (an engine left, or came back)."""
+        rotation = self._rotation()
+        if not rotation or self._names(rotation) == self.generators.connected:
+            return
+        trainer_call(lambda: self.cluster.trainers.connect_generators(
+            list(rotation.values()), hf_config_dir=self.cluster.model_dir))
+        self.generators.connected = self._names(rotation)
 
 
 class TrainerRestarts:

@@ -5,6 +5,8 @@ with a second request) and so needs many requests in flight from one event loop.
 Requests and responses are those of `SGLangGenerator.generate` (token ids in and out, per-token
 log-probs and policy versions); `extra_key` namespaces SGLang's prefix cache (the group's
 admission version: cached KV of other policy versions is never reused). Errors name the server.
+Every request carries the engine's API key (`api_key`, SGLangServerSettings.api_key) when it has
+one.
 
 A connection that breaks before a response arrives is retried (`connection_retries` times, with
 backoff) before the server counts as dead: an HTTP server closes idle keep-alive connections
@@ -33,7 +35,8 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from megatron_rl.rollout.sglang_server import _generation_result
+from megatron_rl.rollout.sglang_server import (_generation_result, auth_headers,
+                                               unauthorized_message)
 from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, GeneratorError,
                                        SamplingParams)
 
@@ -67,10 +70,12 @@ class GeneratorActivity:
 class AsyncSGLangClient:
     """Use inside a running event loop; `close()` (or `async with`) releases its connections."""
 
-    def __init__(self, url: str, *, request_timeout_s: float | None = None,
-                 connection_retries: int = 3, backoff_s: float = 0.2,
-                 return_routed_experts: bool = False, max_connections: int = 100):
+    def __init__(self, url: str, *, api_key: str | None = None,
+                 request_timeout_s: float | None = None, connection_retries: int = 3,
+                 backoff_s: float = 0.2, return_routed_experts: bool = False,
+                 max_connections: int = 100):
         self.url = url.rstrip("/")
+        self._headers = auth_headers(api_key)  # the engine's API key (SGLangServerSettings)
         # Routing replay: every result carries its positions' routed experts (the server must
         # run with enable_return_routed_experts).
         self.return_routed_experts = return_routed_experts
@@ -105,7 +110,7 @@ class AsyncSGLangClient:
 
         if self._probe_session is None:
             self._probe_session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True))
+                headers=self._headers, connector=aiohttp.TCPConnector(force_close=True))
         try:
             async with self._probe_session.get(
                     f"{self.url}/health_generate",
@@ -156,6 +161,7 @@ class AsyncSGLangClient:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
+                headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s,
                                               sock_connect=CONNECT_TIMEOUT_S),
                 connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S,
@@ -206,6 +212,9 @@ class AsyncSGLangClient:
         try:
             async with self._client().post(f"{self.url}/generate", json=payload) as response:
                 self._last_progress = time.monotonic()  # it answers: alive, whatever it says
+                if response.status == 401:
+                    raise GeneratorError(unauthorized_message(self.url, "POST /generate",
+                                                              bool(self._headers)))
                 if response.status >= 400:
                     raise GeneratorError(f"SGLang server {self.url}: /generate failed with HTTP "
                                          f"{response.status}: {(await response.text())[:2000]}")

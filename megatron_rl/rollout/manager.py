@@ -130,6 +130,7 @@ class RolloutManager:
         self._down: set[int] = set()  # clients out of the rotation
         self._failures: list[GeneratorFailure] = []
         self._discarded: list[tuple[int, int, str]] = []  # (group id, prompt, decision)
+        self._taking: list[FinishedGroup] = []  # fresh groups a `take` holds, not committed
         self._next_group_id = 0
         self._error: BaseException | None = None
         # Set on every change (a version, a finished group, a take, an error); one event per
@@ -195,8 +196,11 @@ class RolloutManager:
         return f"v{version}-r{self.incarnation}"
 
     def outstanding_group_ids(self) -> list[int]:
-        """Admitted groups not taken yet: buffered, generating, or waiting to be regenerated."""
-        return sorted([g.group_id for g in self._finished]
+        """Admitted groups not taken yet: buffered, generating, or waiting to be regenerated;
+        and the stale ones discarded since the last `take_discarded` (not in the ledger yet: a
+        take that a graceful stop abandoned)."""
+        return sorted([g.group_id for g in (*self._taking, *self._finished)]
+                      + [d[0] for d in self._discarded]
                       + [t.group_id for t, _ in self._running.values()]
                       + [t.group_id for t in self._retry])
 
@@ -282,7 +286,8 @@ class RolloutManager:
         When that generator fails (the request finds it dead, or the driver's health check
         takes it out with `mark_down` or `check_liveness`), it is taken out of the rotation like
         for a group, and the request is sent again to another; with every generator down it waits for
-        `mark_up`. The request must give the same answer on any generator (seeded sampling)."""
+        `mark_up`. The request must give the same answer on any generator (seeded sampling).
+        Any other failure of the request raises RolloutError naming it."""
         while True:
             index = self._up_client(key)
             if index is None:
@@ -298,9 +303,13 @@ class RolloutManager:
                 task.cancel()  # a no-op once done; else the caller itself was cancelled
             if task.cancelled():  # its generator was taken out meanwhile
                 continue
-            if isinstance(task.exception(), GeneratorDeadError):
-                self.mark_down(index, str(task.exception()))
+            error = task.exception()
+            if isinstance(error, GeneratorDeadError):
+                self.mark_down(index, str(error))
                 continue
+            if error is not None:  # routed as a rollout task's failure is (the run stops)
+                raise RolloutError(f"a request on generator {index} failed: "
+                                   f"{type(error).__name__}: {error}") from error
             return task.result()
 
     def take_failures(self) -> list[GeneratorFailure]:
@@ -319,31 +328,52 @@ class RolloutManager:
     async def take(self, num_groups: int) -> list[FinishedGroup]:
         """`num_groups` fresh groups for the trainer's next step (from the current version), in
         group-id order; stale ones on the way are re-queued or dropped by the gate's policy.
-        Each taken group's verified pass rate goes to the No-Positive-Resampling sampler."""
-        taken: list[FinishedGroup] = []
-        while len(taken) < num_groups:
-            self.raise_if_failed()
-            if not self._finished or not self.gate.may_take(len(self._finished)):
-                self._take_wakeup.clear()
-                await self._take_wakeup.wait()
-                continue
-            group = self._finished.popleft()
-            times_requeued = self._requeue_counts.pop(group.group_id, 0)
-            decision = self.gate.on_take(group.oldest_version, self.version,
-                                         times_requeued=times_requeued,
-                                         retired=self.sampler.is_retired(group.prompt_index))
-            if decision == TakeDecision.FRESH:
-                taken.append(group)
-                if not any(r.verifier_failed for r in group.results):  # no verdict, no history
-                    passed = sum(r.passed for r in group.results) / len(group.results)
-                    self.sampler.update([group.prompt_index], [passed])
-            else:
-                self._discarded.append((group.group_id, group.prompt_index, str(decision)))
-                if decision == TakeDecision.REQUEUE:
-                    self._requeued.append((group.prompt_index, times_requeued + 1))
-            self._notify()  # buffer room: admission may go on
+        Each taken group's verified pass rate goes to the No-Positive-Resampling sampler.
+
+        The fresh groups are taken (gate, sampler) only once all `num_groups` are in hand: a
+        take cancelled while it waits (a graceful stop abandons it) puts the ones it holds back
+        at the head of the buffer, so that nothing is lost or counted twice. (A stale group is
+        decided as it comes: so one whose prompt a fresh group of the same take retires is
+        re-queued, not dropped, and its prompt then skipped at admission.)"""
+        fresh = self._taking = []  # in the buffer's books until committed (state_dict)
+        try:
+            while len(fresh) < num_groups:
+                self.raise_if_failed()
+                if not self._finished or not self.gate.may_take(len(self._finished)
+                                                                + len(fresh)):
+                    self._take_wakeup.clear()
+                    await self._take_wakeup.wait()
+                    continue
+                group = self._finished.popleft()
+                if self.gate.is_fresh(group.oldest_version, self.version):
+                    fresh.append(group)
+                else:
+                    self._discard(group)
+                self._notify()  # buffer room: admission may go on
+        except BaseException:
+            self._finished.extendleft(reversed(fresh))
+            raise
+        finally:
+            self._taking = []
+        for group in fresh:
+            self._requeue_counts.pop(group.group_id, None)
+            decision = self.gate.on_take(group.oldest_version, self.version)
+            assert decision == TakeDecision.FRESH, decision
+            if not any(r.verifier_failed for r in group.results):  # no verdict, no history
+                passed = sum(r.passed for r in group.results) / len(group.results)
+                self.sampler.update([group.prompt_index], [passed])
         # The batch's order does not depend on which group finished first (deterministic runs).
-        return sorted(taken, key=lambda g: g.group_id)
+        return sorted(fresh, key=lambda g: g.group_id)
+
+    def _discard(self, group: FinishedGroup) -> None:
+        """A stale group at take time: re-queued or dropped, as the gate's policy says."""
+        times_requeued = self._requeue_counts.pop(group.group_id, 0)
+        decision = self.gate.on_take(group.oldest_version, self.version,
+                                     times_requeued=times_requeued,
+                                     retired=self.sampler.is_retired(group.prompt_index))
+        self._discarded.append((group.group_id, group.prompt_index, str(decision)))
+        if decision == TakeDecision.REQUEUE:
+            self._requeued.append((group.prompt_index, times_requeued + 1))
 
     async def wait_until_idle(self) -> None:
         """Return once no group is generating (colocated placement: before the generators'
@@ -370,7 +400,8 @@ class RolloutManager:
         return {
             "version": self.version,
             "next_group_id": self._next_group_id,
-            "finished": list(self._finished),
+            "finished": [*self._taking, *self._finished],
+            "discarded": list(self._discarded),  # not in the ledger yet (take_discarded)
             "tickets": sorted([t for t, _ in self._running.values()] + list(self._retry),
                               key=lambda t: t.group_id),
             "requeued": list(self._requeued),
@@ -397,7 +428,8 @@ class RolloutManager:
         self._requeue_counts = {int(g): int(n)
                                 for g, n in state.get("requeue_counts", {}).items()}
         self.incarnation += 1
-        self._discarded, self._failures, self._error = [], [], None
+        self._discarded = [tuple(d) for d in state.get("discarded", ())]
+        self._failures, self._error = [], None
         expected = len(self._finished) + len(self._retry)
         if self.gate.num_outstanding != expected:
             raise ValueError(f"rollout state: the admission gate counts "

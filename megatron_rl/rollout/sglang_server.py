@@ -8,8 +8,12 @@ attention_backend, ...); on CPU with tp_size > 1 it also gives each rank its own
 KV-cache bound (`cpu_threads_bind`, `cpu_rank_max_total_tokens`). `SGLangServer.launch(settings)`
 starts `python -m megatron_rl.rollout.sglang_launch <args>` (which applies
 megatron_rl.platform.sglang_cpu's fixes on a CPU-only machine, so the same code path runs here and
-on GPU) in its own process group and waits for /health with a timeout, failing early with the
-server's log tail if the process exits.
+on GPU) in its own process group, tied to the launching process (it and its children die with
+it, also when it is SIGKILLed: megatron_rl.rollout.engine_lifetime), and waits for /health with a
+timeout, failing early with the server's log tail if the process exits. With
+`SGLangServerSettings.api_key` the server refuses every request without that key (SGLang's
+--api-key; the key reaches it in its environment, not on its command line) and the clients below
+send it (`api_key`, or the key of the `server` they are given).
 `SGLangGenerator` implements the Generator interface over HTTP: every call has a timeout; calls
 that cannot have reached the server (connection refused) are retried with exponential backoff;
 errors carry the server's own message; a server whose process exited or that no longer answers is
@@ -36,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.rollout import engine_lifetime
 from megatron_rl.rollout.generator import Generator
 from megatron_rl.rollout.types import (GenerationResult, GeneratorDeadError, GeneratorError,
                                        SamplingParams, TensorSpec, WeightUpdateGroup,
@@ -47,6 +52,8 @@ _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 _MODEL_MODULES = {"LlamaForCausalLM": "llama", "Llama4ForCausalLM": "llama4",
                   "Llama4ForConditionalGeneration": "mllama4", "Qwen3MoeForCausalLM": "qwen3_moe"}
 _DISABLED_MODELS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
+# How SGLangServerSettings.api_key reaches the server process (megatron_rl.rollout.sglang_launch).
+API_KEY_ENV = "MEGATRON_RL_ENGINE_API_KEY"
 
 
 def unused_model_modules(model_path: str) -> list[str] | None:
@@ -126,6 +133,12 @@ class SGLangServerSettings:
     request_timeout_s: float = 300.0
     max_retries: int = 3
     log_path: str | None = None  # None: a temporary file
+    # SGLang's --api-key: every endpoint but /health*, /ready and /metrics then refuses a request
+    # without it (HTTP 401), weight updates, pause and cache flushes included (SGLang 0.5.23 lets
+    # --api-key guard its admin endpoints when no --admin-api-key is set). A run gives all its
+    # engines one secret of its own (cluster/launch.py); None: no key (anyone who reaches the
+    # port commands the engine). It reaches the server in its environment, not its command line.
+    api_key: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.ep_size < 1 or self.tp_size % self.ep_size:
@@ -136,6 +149,11 @@ class SGLangServerSettings:
             raise ValueError(f"cpu_threads_bind {self.cpu_threads_bind!r}: one '|'-separated "
                              f"core list per rank, {self.tp_size} (tp_size) in all, e.g. "
                              f"{cpu_threads_bind_for(self.tp_size, range(2 * self.tp_size))!r}")
+        if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
+                                         or any(c.isspace() for c in self.api_key)):
+            raise ValueError("api_key: a non-empty string without spaces or control characters "
+                             "(it travels in an HTTP header), e.g. secrets.token_urlsafe(32); "
+                             "or None for no key")
         if not Path(self.model_path).exists():
             raise FileNotFoundError(f"model_path {self.model_path} does not exist: point it at an "
                                     "HF model folder (config.json + *.safetensors)")
@@ -326,13 +344,17 @@ class SGLangServer:
             unused = unused_model_modules(settings.model_path)
             if unused:
                 env[_DISABLED_MODELS_ENV] = ",".join(unused)
+        env.pop(API_KEY_ENV, None)
+        if settings.api_key is not None:
+            env[API_KEY_ENV] = settings.api_key
         command = [sys.executable, "-m", "megatron_rl.rollout.sglang_launch",
                    *settings.server_args(port)]
         try:
             with open(log_path, "ab") as log:
-                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                           env=env, cwd=str(Path(__file__).resolve().parents[2]),
-                                           start_new_session=True)
+                # Tied to this process: the server and its children die with it, SIGKILL too.
+                process = engine_lifetime.popen(
+                    command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    cwd=str(Path(__file__).resolve().parents[2]), start_new_session=True)
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
@@ -356,7 +378,8 @@ class SGLangServer:
     def wait_until_healthy(self, timeout_s: float | None = None) -> None:
         """Wait for /health; then, with settings.freeze_gc, freeze the start-up objects."""
         wait_for_health(self.url, timeout_s or self.settings.startup_timeout_s,
-                        exit_error=self.exit_error, log_path=self.log_path)
+                        exit_error=self.exit_error, log_path=self.log_path,
+                        api_key=self.settings.api_key)
         if self.settings.freeze_gc:
             SGLangGenerator(self.url, server=self).freeze_gc()
 
@@ -400,9 +423,11 @@ def _kill_group(pgid: int) -> None:
 
 
 def wait_for_health(url: str, timeout_s: float, *, exit_error=lambda: None,
-                    log_path: str | None = None, poll_s: float = 0.5) -> None:
+                    log_path: str | None = None, poll_s: float = 0.5,
+                    api_key: str | None = None) -> None:
     """Poll GET {url}/health until it answers 200; raise GeneratorDeadError as soon as
-    `exit_error()` reports an exited process, GeneratorError after `timeout_s`."""
+    `exit_error()` reports an exited process, GeneratorError after `timeout_s`. (SGLang answers
+    /health without the API key; it is sent all the same.)"""
     import requests
 
     deadline = time.monotonic() + timeout_s
@@ -412,7 +437,7 @@ def wait_for_health(url: str, timeout_s: float, *, exit_error=lambda: None,
         if error is not None:
             raise error
         try:
-            response = requests.get(f"{url}/health", timeout=5)
+            response = requests.get(f"{url}/health", timeout=5, headers=auth_headers(api_key))
             if response.status_code == 200:
                 return
             last = f"HTTP {response.status_code}: {response.text[:200]}"
@@ -421,6 +446,11 @@ def wait_for_health(url: str, timeout_s: float, *, exit_error=lambda: None,
         time.sleep(poll_s)
     raise GeneratorError(f"SGLang server {url} not healthy after {timeout_s:.0f} s ({last}); "
                          f"last log lines ({log_path}):\n{_log_tail(log_path)}")
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The HTTP headers that carry an engine's API key (SGLang: a bearer token)."""
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
 
 
 # SGLang 0.5.23's answer to begin_weight_update while a session is open
@@ -432,11 +462,15 @@ class SGLangGenerator(Generator):
     """The Generator interface over one SGLang server's HTTP API."""
 
     def __init__(self, url: str, *, num_ranks: int | None = 1,
-                 server: SGLangServer | None = None,
+                 server: SGLangServer | None = None, api_key: str | None = None,
                  request_timeout_s: float = 300.0, max_retries: int = 3,
                  backoff_s: float = 0.5, return_routed_experts: bool = False):
         self.url = url.rstrip("/")
         self.server = server
+        # The engine's API key (None: the server's, when given).
+        if api_key is None and server is not None:
+            api_key = server.settings.api_key
+        self._headers = auth_headers(api_key)
         # Ask for every position's routed experts (the server needs
         # enable_return_routed_experts); GenerationResult.routed_experts carries them.
         self.return_routed_experts = return_routed_experts
@@ -482,7 +516,7 @@ class SGLangGenerator(Generator):
             self._raise_if_exited()
             try:
                 response = requests.request(method, f"{self.url}{path}", json=payload,
-                                            timeout=timeout)
+                                            timeout=timeout, headers=self._headers)
             except requests.ConnectionError as exc:
                 # Refused / reset before an answer: the server is down or not up yet.
                 if attempt + 1 < attempts:
@@ -496,6 +530,9 @@ class SGLangGenerator(Generator):
                 self._raise_if_exited()
                 raise GeneratorError(f"SGLang server {self.url}: {method} {path} timed out after "
                                      f"{timeout:.0f} s") from None
+            if response.status_code == 401:
+                raise GeneratorError(unauthorized_message(self.url, f"{method} {path}",
+                                                          bool(self._headers)))
             if response.status_code >= 400:
                 raise GeneratorError(f"SGLang server {self.url}: {method} {path} failed with HTTP "
                                      f"{response.status_code}: {_server_message(response)}")
@@ -680,6 +717,14 @@ class SGLangGenerator(Generator):
         self._post_checked("/update_weight_version", {"new_version": str(version),
                                                       "abort_all_requests": False})
         self._weight_version = version
+
+
+def unauthorized_message(url: str, request: str, sent_key: bool) -> str:
+    """The error for an engine's HTTP 401: the client lacks the key the engine started with."""
+    what = "refused the API key sent" if sent_key else "requires an API key and none was sent"
+    return (f"SGLang server {url}: {request} was refused (HTTP 401): the server {what}; give "
+            "the client the api_key of the server's SGLangServerSettings (a run's engines share "
+            "one, made at its start)")
 
 
 def _with_version(payload: dict, version: int | None) -> dict:

@@ -7,11 +7,13 @@ else the `eval.warmup_compute_gpu_hours` of the run directories' config.yaml (th
 wrote), else 0; the run prints which. Optional: the extrapolation protocol (`--fit-fraction` /
 `--fit-budget`), the power law on the same points (`--power-law`), and the 0.02-rule comparison
 of every curve against the first (`--compare`). Writes curves.png and efficiency.png (and
-extrapolation.png) to `--out-dir`. Bad logs exit with status 2 and one line naming the problem.
+extrapolation.png) to `--out-dir`, and with `--json PATH` every fit as JSON. Bad logs exit with
+status 2 and one line naming the problem.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -62,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, default=Path("scaling_fit"),
                         help="where the PNG plots are written")
     parser.add_argument("--no-plots", action="store_true", help="do not write plots")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write every fit (and extrapolation) to PATH as JSON, one "
+                             "entry per curve in the order of the paths")
     parser.add_argument("--extend-to", type=float, default=None,
                         help="draw the extrapolated (dashed) curve up to this many GPU-hours "
                              "(default: twice each run's compute)")
@@ -85,8 +90,8 @@ def _run(args: argparse.Namespace) -> int:
         confidence=args.confidence, seed=args.seed)
     series = [s for path in args.paths for s in read_scaling_log(path).values()]
     console = _console()
-    console.print(f"warm-up: points below {_format(warmup, 'gpu_hours')} GPU-hours excluded "
-                  f"({source})")
+    console.print(f"warm-up: points below {format_value(warmup, 'gpu_hours')} GPU-hours "
+                  f"excluded ({source})")
     start = time.perf_counter()
     fits = [fit_series(s, r0=args.r0, config=config) for s in series]
     power_laws = [fit_power_law(s.compute_gpu_hours, s.pass_rate,
@@ -107,6 +112,9 @@ def _run(args: argparse.Namespace) -> int:
                        for other, fit in zip(series[1:], fits[1:])]
         print_table(console, _comparison_table(comparisons))
     console.print(f"fitted {len(series)} curve(s) in {time.perf_counter() - start:.2f} s")
+    if args.json is not None:
+        _write_json(args.json, series, fits, reports, warmup)
+        console.print(f"wrote {args.json}")
     if not args.no_plots:
         for path in _write_plots(args, series, fits, power_laws, reports, config):
             console.print(f"wrote {path}")
@@ -143,17 +151,41 @@ def _warmup_gpu_hours(flag: float | None, paths: list[str]) -> tuple[float, str]
     return value, f"eval.warmup_compute_gpu_hours of {where}"
 
 
+def fit_record(fit: SigmoidFit) -> dict:
+    """A fit as JSON: the parameters with their intervals (null without a bootstrap), the
+    points used and excluded as warm-up, the RMSE."""
+    return {"r0": fit.r0, "a": fit.a, "a_ci": fit.a_ci, "b": fit.b, "b_ci": fit.b_ci,
+            "c_mid": fit.c_mid, "c_mid_ci": fit.c_mid_ci, "num_points": fit.num_points,
+            "num_warmup_excluded": fit.num_warmup_excluded, "rmse": fit.rmse}
+
+
+def _write_json(path: Path, series: list[ScalingSeries], fits: list[SigmoidFit],
+                reports: list[ExtrapolationReport], warmup: float) -> None:
+    entries = [{"run": s.run, "task": s.task, "warmup_compute_gpu_hours": warmup,
+                "fit": fit_record(f)} for s, f in zip(series, fits)]
+    for entry, report in zip(entries, reports):
+        entry["extrapolation"] = {
+            "fit_budget_gpu_hours": report.fit_budget, "fit": fit_record(report.sigmoid),
+            "final_compute_gpu_hours": report.final_compute,
+            "observed": report.final_observed, "predicted": report.final_predicted,
+            "error": report.final_error}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(entries, indent=1) + "\n")
+
+
 def _console() -> Console:
     # Piped output (CI logs, tests): tables at full width, lines unwrapped (print_table).
     return report_console()
 
 
-def _with_ci(value: float, ci: tuple[float, float] | None, fmt: str) -> str:
-    text = _format(value, fmt)
-    return text if ci is None else f"{text} [{_format(ci[0], fmt)}, {_format(ci[1], fmt)}]"
+def with_ci(value: float, ci: tuple[float, float] | None, fmt: str) -> str:
+    text = format_value(value, fmt)
+    if ci is None:
+        return text
+    return f"{text} [{format_value(ci[0], fmt)}, {format_value(ci[1], fmt)}]"
 
 
-def _format(value: float, fmt: str) -> str:
+def format_value(value: float, fmt: str) -> str:
     if fmt == "gpu_hours":  # 12.5, 850, 16,000: no exponent notation for compute
         return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
     return format(value, fmt)
@@ -169,8 +201,8 @@ def _fit_table(series: list[ScalingSeries], fits: list[SigmoidFit],
     if any(power_laws):
         table.add_column("power-law A", no_wrap=True)
     for s, fit, power_law in zip(series, fits, power_laws):
-        row = [s.run, s.task, f"{fit.r0:.3f}", _with_ci(fit.a, fit.a_ci, ".3f"),
-               _with_ci(fit.b, fit.b_ci, ".3f"), _with_ci(fit.c_mid, fit.c_mid_ci, "gpu_hours"),
+        row = [s.run, s.task, f"{fit.r0:.3f}", with_ci(fit.a, fit.a_ci, ".3f"),
+               with_ci(fit.b, fit.b_ci, ".3f"), with_ci(fit.c_mid, fit.c_mid_ci, "gpu_hours"),
                str(fit.num_points), str(fit.num_warmup_excluded), f"{fit.rmse:.4f}"]
         if any(power_laws):
             row.append(f"{power_law.a:.3f}" if power_law else "-")
@@ -188,8 +220,9 @@ def _extrapolation_table(reports: list[ExtrapolationReport]) -> Table:
         power_law_a = f"{r.power_law.a:.3f}" if r.power_law else "-"
         power_law_end = (f"{r.held_out_power_law[-1]:.3f}" if r.held_out_power_law is not None
                          else "-")
-        table.add_row(r.label, _format(r.fit_budget, "gpu_hours"), str(r.sigmoid.num_points),
-                      f"{r.sigmoid.a:.3f}", power_law_a, _format(r.final_compute, "gpu_hours"),
+        table.add_row(r.label, format_value(r.fit_budget, "gpu_hours"),
+                      str(r.sigmoid.num_points), f"{r.sigmoid.a:.3f}", power_law_a,
+                      format_value(r.final_compute, "gpu_hours"),
                       f"{r.final_observed:.3f}", f"{r.final_predicted:.3f}",
                       f"{r.final_error:+.3f}", power_law_end, f"{r.held_out_rmse:.4f}")
     return table
@@ -201,8 +234,8 @@ def _comparison_table(comparisons: list[RecipeComparison]) -> Table:
                    "B b (A fixed)", "better", "verdict"):
         table.add_column(column, no_wrap=column != "verdict")
     for c in comparisons:
-        b_a = _with_ci(c.refit_a.b, c.refit_a.b_ci, ".3f") if c.refit_a else "-"
-        b_b = _with_ci(c.refit_b.b, c.refit_b.b_ci, ".3f") if c.refit_b else "-"
+        b_a = with_ci(c.refit_a.b, c.refit_a.b_ci, ".3f") if c.refit_a else "-"
+        b_b = with_ci(c.refit_b.b, c.refit_b.b_ci, ".3f") if c.refit_b else "-"
         table.add_row(c.label_a, c.label_b, f"{c.fit_a.a:.3f}", f"{c.fit_b.a:.3f}",
                       "yes" if c.a_equal else "no", b_a, b_b, c.better or "tie", c.verdict)
     return table

@@ -79,6 +79,14 @@ class ScalingLog:
             self.tb_writer.add_scalar(COMPUTE_TAG, compute, global_step=step)
             self.tb_writer.flush()
 
+    def has_step(self, step: int) -> bool:
+        """Whether the log holds a validation at `step` (a resumed run checks its own: a stop
+        may have come between the step's checkpoint and its validation)."""
+        if not self.path.is_file():
+            return False
+        return any(series.step is not None and step in series.step.tolist()
+                   for series in read_scaling_log(self.path).values())
+
     def _check(self, step: int, compute: float,
                pass_rate_by_task: dict[str, float]) -> tuple[int, float]:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:

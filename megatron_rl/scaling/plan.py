@@ -29,6 +29,11 @@ rollout.max_sequence_tokens, and the FP32 logits of a decode batch (enable_fp32_
 gives weights + KV mem_fraction_static of the device; the largest concurrency is what fits there.
 The default concurrency is Pipeline-RL's bound: (k + 1) x train.global_batch_size sequences in
 flight over rollout.num_generators engines (rollout/staleness.py).
+Colocated (cluster.colocated): trainer ranks and engines share devices. During training the
+engines have released their memory; during generation the trainer has offloaded its gradients
+and optimizer state (RLTrainer.offload_training_state) and keeps its weights, the weight sync's
+kept buffers and the reserve, beside the engine's mem_fraction_static x device memory and its
+logits: that sum must fit the device too (`ColocatedPlan`, with the largest fraction that does).
 Hardware numbers come from megatron_rl/scaling/hardware.py, shared with the cost model;
 `cost_config_from_run` builds the cost model's inputs from the same recipe.
 The parameter and optimizer-state bytes are checked against what the trainer allocates for tiny
@@ -43,7 +48,7 @@ import math
 import re
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -612,6 +617,58 @@ class GeneratorPlan:
         return self.max_concurrency >= 1 and self.total <= self.capacity
 
 
+# What a colocated trainer rank keeps on the device while the engines generate: the components
+# of TrainerPlan that RLTrainer.offload_training_state leaves (gradients, the optimizer state with
+# any separate FP32 main copy, and the activations are gone).
+COLOCATED_RESIDENT = ("weights", "FP8 weight copies", "weight sync: bucket buffers",
+                      "weight sync: gathered tensors", "reserved (CUDA, NCCL, fragmentation)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class ColocatedPlan:
+    """One shared device while the engine generates: the trainer rank's resident part (of its
+    stage that keeps the most), the engine's static budget and its decode batch's logits."""
+
+    trainer_resident: dict[str, float]  # bytes, COLOCATED_RESIDENT's components
+    mem_fraction_static: float
+    engine_logits: float  # outside SGLang's static budget
+    capacity: float
+    # The largest mem_fraction_static (in hundredths) at which the device fits and the engine
+    # holds one longest sequence; 0.0: none.
+    max_mem_fraction_static: float
+
+    @property
+    def static_budget(self) -> float:
+        return self.mem_fraction_static * self.capacity
+
+    @property
+    def total(self) -> float:
+        return sum(self.trainer_resident.values()) + self.static_budget + self.engine_logits
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+def plan_colocated(stages: Sequence[TrainerPlan], generator_at: Callable[[float], GeneratorPlan],
+                   *, mem_fraction_static: float) -> ColocatedPlan:
+    """The generation phase of a colocated device, for the trainer stage whose resident part
+    is largest. `generator_at(fraction)` plans the engine at a mem_fraction_static (its decode
+    batch, hence its logits, shrinks with the KV cache)."""
+    resident = max(({k: v for k, v in stage.components.items() if k in COLOCATED_RESIDENT}
+                    for stage in stages), key=lambda parts: sum(parts.values()))
+
+    def at(fraction: float) -> ColocatedPlan:
+        generator = generator_at(fraction)
+        return ColocatedPlan(trainer_resident=resident, mem_fraction_static=fraction,
+                             engine_logits=generator.components["logits (decode batch)"],
+                             capacity=generator.capacity, max_mem_fraction_static=0.0)
+
+    largest = next((hundredths / 100 for hundredths in range(99, 0, -1)
+                    if at(hundredths / 100).fits and generator_at(hundredths / 100).fits), 0.0)
+    return dataclasses.replace(at(mem_fraction_static), max_mem_fraction_static=largest)
+
+
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class MemoryPlan:
     hardware: Accelerator
@@ -619,10 +676,12 @@ class MemoryPlan:
     trainer: TrainerPlan
     generator: GeneratorPlan
     notes: tuple[str, ...]
+    colocated: ColocatedPlan | None = None  # cluster.colocated only
 
     @property
     def fits(self) -> bool:
-        return self.trainer.fits and self.generator.fits
+        return self.trainer.fits and self.generator.fits and \
+            (self.colocated is None or self.colocated.fits)
 
 
 def plan_trainer(arch: Architecture, layout: TrainerLayout, act: ActivationSettings, *,
@@ -632,7 +691,20 @@ def plan_trainer(arch: Architecture, layout: TrainerLayout, act: ActivationSetti
                  sync: Sequence[SenderSyncMemory] = ()) -> TrainerPlan:
     """Per-rank memory of the worst pipeline stage (the one with the largest peak), on the
     stage's weight-sync sender: `sync[pp_rank]` (sender_sync_memory; empty: no weight sync)."""
-    best: TrainerPlan | None = None
+    return max(plan_trainer_stages(arch, layout, act, hardware=hardware,
+                                   params_dtype_bytes=params_dtype_bytes, fp8=fp8,
+                                   distributed_optimizer=distributed_optimizer,
+                                   reserved_gib=reserved_gib, sync=sync),
+               key=lambda stage: stage.peak)
+
+
+def plan_trainer_stages(arch: Architecture, layout: TrainerLayout, act: ActivationSettings, *,
+                        hardware: Accelerator, params_dtype_bytes: int, fp8: bool = False,
+                        distributed_optimizer: bool = True,
+                        reserved_gib: float = DEFAULT_RESERVED_GIB,
+                        sync: Sequence[SenderSyncMemory] = ()) -> list[TrainerPlan]:
+    """`plan_trainer` for every pipeline stage, in stage order."""
+    stages = []
     main_copy = 0 if params_dtype_bytes == 4 else 4
     for pp_rank in range(layout.pp):
         buffers = rank_buffers(arch, layout, pp_rank=pp_rank,
@@ -659,12 +731,10 @@ def plan_trainer(arch: Architecture, layout: TrainerLayout, act: ActivationSetti
             components["weight sync: bucket buffers"] = stage_sync.buffers
             components["weight sync: gathered tensors"] = stage_sync.gathered
         components["reserved (CUDA, NCCL, fragmentation)"] = reserved_gib * GIB
-        plan = TrainerPlan(layout=layout, pp_rank=pp_rank, components=components,
-                           buffers=buffers, capacity=hardware.memory_bytes, sync=stage_sync)
-        if best is None or plan.peak > best.peak:
-            best = plan
-    assert best is not None
-    return best
+        stages.append(TrainerPlan(layout=layout, pp_rank=pp_rank, components=components,
+                                  buffers=buffers, capacity=hardware.memory_bytes,
+                                  sync=stage_sync))
+    return stages
 
 
 def plan_generator(arch: Architecture, *, hardware: Accelerator, tp_size: int, ep_size: int,
@@ -726,17 +796,22 @@ def plan_run(run: Any, *, hardware: str, concurrency: int | None = None,
                                bucket_bytes=run.weight_sync.bucket_mb * 2**20,
                                params_dtype=run.model.params_dtype, generator_dtype=gen_dtype)
             for pp_rank in range(layout.pp)]
-    trainer = plan_trainer(arch, layout, act, hardware=accelerator,
-                           params_dtype_bytes=params_bytes, fp8=run.model.fp8 is not None,
-                           distributed_optimizer=run.optimizer.use_distributed_optimizer,
-                           reserved_gib=reserved_gib, sync=sync)
+    stages = plan_trainer_stages(arch, layout, act, hardware=accelerator,
+                                 params_dtype_bytes=params_bytes, fp8=run.model.fp8 is not None,
+                                 distributed_optimizer=run.optimizer.use_distributed_optimizer,
+                                 reserved_gib=reserved_gib, sync=sync)
+    trainer = max(stages, key=lambda stage: stage.peak)
     mem_fraction = rollout.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-    generator = plan_generator(
-        arch, hardware=accelerator, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
-        weight_bytes=DTYPE_BYTES[gen_dtype], kv_bytes=DTYPE_BYTES[gen_dtype],
-        max_sequence_tokens=rollout.max_sequence_tokens,
-        concurrency=concurrency or default_concurrency(run), mem_fraction_static=mem_fraction,
-        fp32_lm_head=rollout.enable_fp32_lm_head)
+
+    def generator_at(fraction: float) -> GeneratorPlan:
+        return plan_generator(
+            arch, hardware=accelerator, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
+            weight_bytes=DTYPE_BYTES[gen_dtype], kv_bytes=DTYPE_BYTES[gen_dtype],
+            max_sequence_tokens=rollout.max_sequence_tokens,
+            concurrency=concurrency or default_concurrency(run), mem_fraction_static=fraction,
+            fp32_lm_head=rollout.enable_fp32_lm_head)
+
+    generator = generator_at(mem_fraction)
     notes = []
     if rollout.mem_fraction_static is None:
         notes.append(f"rollout.mem_fraction_static is null: planned with "
@@ -747,8 +822,20 @@ def plan_run(run: Any, *, hardware: str, concurrency: int | None = None,
     if not generator.fits:
         notes.append("a generator cannot hold the weights and one longest sequence: raise "
                      "rollout.tp_size")
+    colocated = None
+    if run.cluster.colocated:
+        colocated = plan_colocated(stages, generator_at, mem_fraction_static=mem_fraction)
+        if not colocated.fits:
+            largest = colocated.max_mem_fraction_static
+            notes.append(
+                f"colocated: generation needs {_gib(colocated.total)} of {_gib(colocated.capacity)}"
+                f" GiB per device: set rollout.mem_fraction_static <= {largest:.2f}"
+                if largest > 0 else
+                f"colocated: the trainer's resident part alone "
+                f"({_gib(sum(colocated.trainer_resident.values()))} GiB) leaves the engine no "
+                "room: raise PP or TP, or set cluster.colocated=false")
     return MemoryPlan(hardware=accelerator, architecture=arch, trainer=trainer,
-                      generator=generator, notes=tuple(notes))
+                      generator=generator, notes=tuple(notes), colocated=colocated)
 
 
 def get_hardware(name: str) -> Accelerator:
@@ -847,6 +934,25 @@ def plan_rows(plan: MemoryPlan) -> list[tuple[str, str, str]]:
                     if g.requested_concurrency <= g.max_concurrency else
                     f"{g.requested_concurrency} in flight per engine: SGLang queues the rest")
                  + ("" if g.fits else "; DOES NOT FIT")))
+    if plan.colocated is not None:
+        rows += colocated_rows(plan.colocated)
+    return rows
+
+
+def colocated_rows(c: ColocatedPlan) -> list[tuple[str, str, str]]:
+    """The generation phase of a shared device (plan_rows' format)."""
+    rows = [("colocated device while generating (trainer offloaded)", "", "")]
+    for name, value in c.trainer_resident.items():
+        rows.append((f"trainer: {name}", _gib(value),
+                     "gradients and optimizer state moved off" if name == "weights" else ""))
+    rows.append(("engine: mem_fraction_static x memory", _gib(c.static_budget),
+                 f"{c.mem_fraction_static:g} x {_gib(c.capacity)} GiB (weights + KV cache)"))
+    rows.append(("engine: logits (decode batch)", _gib(c.engine_logits), ""))
+    largest = c.max_mem_fraction_static
+    fit = "fits" if c.fits else "DOES NOT FIT"
+    rows.append(("total", _gib(c.total), f"{c.total / c.capacity:.0%} of {_gib(c.capacity)} "
+                 f"GiB: {fit}; the largest rollout.mem_fraction_static that fits is "
+                 + (f"{largest:.2f}" if largest > 0 else "none")))
     return rows
 
 

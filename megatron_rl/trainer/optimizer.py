@@ -10,6 +10,12 @@ Without Transformer Engine or apex (CPU runs), megatron-core falls back to torch
 without `foreach`/`fused`, which on CPU tensors is torch's per-parameter Python loop (~10 ops per
 parameter per step). `_use_fused_cpu_adamw` switches that fallback to torch's fused AdamW kernel
 (one kernel per parameter); GPU runs use TE's / apex's FusedAdam and are untouched.
+
+Colocated runs move the optimizer's own tensors off the device around generation
+(`move_optimizer_state`): the Adam moments, and the FP32 main copies where they are tensors of
+their own (bf16 parameters). FP32 parameters have no separate copy: the optimizer updates the
+model's parameters (FP32Optimizer) or views of them (the distributed optimizer's shards), which
+stay on the device.
 """
 from __future__ import annotations
 
@@ -79,6 +85,69 @@ def build_optimizer(model_chunks: list, settings: OptimizerSettings, *, bf16: bo
     return optimizer, scheduler
 
 
+@dataclasses.dataclass(slots=True)
+class OffloadTargets:
+    """What a colocated trainer may move off the device: the main parameters that are tensors of
+    their own, and the optimizer state's tensors as (state dict, key) slots."""
+
+    main_params: list[torch.Tensor]
+    state_slots: list[tuple[dict, str]]
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = self.main_params + [state[key] for state, key in self.state_slots]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def offload_targets(optimizer, model_chunks: list) -> OffloadTargets:
+    """The optimizer's own tensors: every tensor of its state (Adam moments, step counts) and the
+    main parameters whose storage is no model parameter's.
+
+    megatron-core's `MegatronOptimizer.offload_to_cpu` / `restore_from_cpu` move every tensor of
+    the inner optimizer's param_groups with `p.data = p.data.cpu()`. For FP32 parameters those
+    are the model's parameters themselves (FP32Optimizer) or views of them (the distributed
+    optimizer's shard_fp32_groups, `model_param.view(-1)[start:end]`): new data detaches a view,
+    so every later update would go to a copy the model never sees, and a model parameter moved
+    that way leaves the device the weight sync reads it on. Only separate tensors qualify: the
+    bf16 parameters' FP32 main copies."""
+    model_storages = {param.untyped_storage().data_ptr()
+                      for chunk in model_chunks for param in chunk.parameters()}
+    main_params, state_slots = [], []
+    for inner in _torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            main_params += [param for param in group["params"]
+                            if param.untyped_storage().data_ptr() not in model_storages]
+        for state in inner.state.values():
+            state_slots += [(state, key) for key, value in state.items()
+                            if isinstance(value, torch.Tensor)]
+    return OffloadTargets(main_params=main_params, state_slots=state_slots)
+
+
+def move_optimizer_state(optimizer, model_chunks: list, device: torch.device) -> int:
+    """Move `offload_targets` to `device`; returns the bytes that changed device (0 when all
+    were there). The optimizer keys its state by the main parameters' tensor objects, which
+    `.data` assignment keeps."""
+    moved = 0
+    targets = offload_targets(optimizer, model_chunks)
+    for param in targets.main_params:
+        if param.device != device:
+            moved += param.numel() * param.element_size()
+            param.data = param.data.to(device)
+    for state, key in targets.state_slots:
+        value = state[key]
+        if value.device != device:
+            moved += value.numel() * value.element_size()
+            state[key] = value.to(device)
+    return moved
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a (chained) MegatronOptimizer; stub optimizers (a rank with
+    no parameters of a kind) have none."""
+    return [chained.optimizer for chained in getattr(optimizer, "chained_optimizers", [optimizer])
+            if getattr(chained, "optimizer", None) is not None]
+
+
 def _use_fused_cpu_adamw(optimizer) -> None:
     """Run megatron-core's torch.optim.AdamW fallback with torch's fused CPU kernel.
 
@@ -86,8 +155,7 @@ def _use_fused_cpu_adamw(optimizer) -> None:
     the choice from each parameter group at every step, and a checkpoint saved afterwards records
     it. Only optimizers whose parameters are all on the CPU are switched: a CUDA run keeps what
     megatron-core chose (normally TE's FusedAdam, which is not a torch optimizer)."""
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(chained, "optimizer", None)
+    for inner in _torch_optimizers(optimizer):
         if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         params = [p for group in inner.param_groups for p in group["params"]]

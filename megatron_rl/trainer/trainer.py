@@ -5,22 +5,32 @@ megatron_rl.config's RunConfig), it starts the process groups for the layout, bu
 the models registry, and exposes `train_step(TrainBatch) -> StepMetrics`,
 `save_checkpoint(dir, extra_state)` and `load_checkpoint(dir)`. A non-finite loss or gradient
 skips the optimizer step (weights, optimizer state and schedule untouched) and is counted.
+
+Colocated with the generators (`offload_between_steps`), the trainer holds only its parameters
+between steps: the gradient buffers are freed (megatron-core's `offload_grad_buffers`) and the
+Adam state and separate FP32 main copies go to the CPU (trainer/optimizer.py
+`move_optimizer_state`) at construction and at the end of every step; they come back at the start
+of the next step and around checkpoint saves and loads. Weight sync and scoring read the
+parameters only.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any
 
 import torch
 
-from megatron_rl.platform import collective_device
+from megatron_rl.platform import collective_device, has_cuda
+from megatron_rl.platform import device as platform_device
 from megatron_rl.trainer.batch import (TrainBatch, pack_micro_batches, padding_micro_batch,
                                        sequence_pad_multiple, shard_for_data_parallel,
                                        split_for_context_parallel)
 from megatron_rl.trainer.checkpoint import CheckpointState, load_checkpoint, save_checkpoint
 from megatron_rl.trainer.model import build_model, precision_overrides, recompute_overrides
-from megatron_rl.trainer.optimizer import OptimizerSettings, build_optimizer
+from megatron_rl.trainer.optimizer import (OptimizerSettings, build_optimizer,
+                                           move_optimizer_state)
 from megatron_rl.trainer.parallel import ParallelLayout, init_parallel
 from megatron_rl.trainer.step import LossSettings, run_forward_backward
 
@@ -52,6 +62,9 @@ class TrainerSettings:
     micro_batch_max_tokens: int = 16384
     seed: int = 1234
     checkpoint_format: str = "torch_dist"  # Megatron dist_checkpointing save backend
+    # cluster.colocated: between steps (while the generators use the devices) free the gradient
+    # buffers and move the optimizer state to the CPU, keeping only the parameters.
+    offload_between_steps: bool = False
     # TransformerConfig fields on top of the family's (tests: smaller models, aux-loss off, ...).
     config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -85,6 +98,7 @@ class TrainerSettings:
                 use_distributed_optimizer=optim.use_distributed_optimizer),
             micro_batch_max_tokens=train.micro_batch_max_tokens, seed=run.seed,
             checkpoint_format=run.checkpoint.format,
+            offload_between_steps=run.cluster.colocated,
             config_overrides={**recompute_overrides(train.recompute_granularity),
                               **config_overrides})
 
@@ -113,6 +127,9 @@ class StepMetrics:
     # mean |logp_train - logp_gen| the same weights give without replay.
     routing_flip_fraction: float = math.nan
     logp_mismatch_without_replay: float = math.nan
+    # offload_between_steps: device bytes released at the end of the step (gradient buffers,
+    # and on a GPU the optimizer state moved to the CPU); 0 otherwise.
+    offloaded_bytes: int = 0
 
 
 class RLTrainer:
@@ -150,6 +167,9 @@ class RLTrainer:
             params_dtype=self.config.params_dtype)
         self.step = 0
         self.num_skipped_steps = 0
+        self._offloaded = False
+        if settings.offload_between_steps:
+            self.offload_training_state()
 
     @property
     def pad_to_multiple(self) -> int:
@@ -211,6 +231,7 @@ class RLTrainer:
         denominators = AggregationDenominators.from_sample_token_counts(
             batch.sample_num_loss_tokens(), batch.prompt_of_sample())
         micro_batches = self.micro_batches(batch)
+        self.reload_training_state()
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -232,6 +253,7 @@ class RLTrainer:
             self.num_skipped_steps += 1
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
+        offloaded = self.offload_training_state() if self.settings.offload_between_steps else 0
         tokens = max(result.num_loss_tokens, 1)
         return StepMetrics(
             step=self.step, loss=result.loss, grad_norm=grad_norm,
@@ -244,7 +266,49 @@ class RLTrainer:
             num_skipped_steps=self.num_skipped_steps,
             routing_flip_fraction=(result.num_routing_flips / result.num_routing_decisions
                                    if result.num_routing_decisions else math.nan),
-            logp_mismatch_without_replay=without_replay)
+            logp_mismatch_without_replay=without_replay, offloaded_bytes=offloaded)
+
+    def offload_training_state(self) -> int:
+        """Free what only a training step needs: the gradient buffers (their storage released,
+        the views kept: megatron-core's `offload_grad_buffers`) and, to the CPU, the Adam state
+        and the FP32 main copies that are separate tensors. Returns the device bytes released
+        (on the CPU only the gradient buffers'; moving CPU tensors to the CPU is nothing).
+        Parameters stay. Local to the rank; a no-op when already offloaded."""
+        if self._offloaded:
+            return 0
+        # No main parameter's .grad may keep pointing into a freed buffer.
+        self.optimizer.zero_grad()
+        buffers = self.model.buffers + self.model.expert_parallel_buffers
+        freed = sum(b.grad_data.untyped_storage().nbytes() for b in buffers)
+        self.model.offload_grad_buffers(synchronize=has_cuda(), empty_cache=False)
+        freed += move_optimizer_state(self.optimizer, [self.model], torch.device("cpu"))
+        if has_cuda():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the freed blocks back to the device for the engines
+        self._offloaded = True
+        return freed
+
+    def reload_training_state(self) -> None:
+        """Undo `offload_training_state`: the gradient buffers reallocated (zeroed) and the
+        optimizer state back on the device. A no-op when nothing is offloaded."""
+        if not self._offloaded:
+            return
+        self.model.restore_grad_buffers(synchronize=False)
+        move_optimizer_state(self.optimizer, [self.model], platform_device())
+        if has_cuda():
+            torch.cuda.synchronize()
+        self._offloaded = False
+
+    @contextlib.contextmanager
+    def _training_state(self):
+        """The whole training state on the device for the body (checkpoints read and write the
+        optimizer state); offloaded again after it when offloading between steps."""
+        self.reload_training_state()
+        try:
+            yield
+        finally:
+            if self.settings.offload_between_steps:
+                self.offload_training_state()
 
     def _grads_finite(self) -> bool:
         """All ranks agree whether any gradient (any bucket, any rank) is NaN or inf."""
@@ -259,11 +323,12 @@ class RLTrainer:
         """Collective. `async_save` (CUDA only): return once the tensors are staged, the files
         being written in the background until `finalize_checkpoints` says they are complete.
         Returns whether the save is asynchronous."""
-        request = save_checkpoint(
-            directory, self.model, self.optimizer, self.scheduler, layout=self.layout,
-            groups=self.groups, step=self.step, num_skipped_steps=self.num_skipped_steps,
-            extra_state=extra_state, checkpoint_format=self.settings.checkpoint_format,
-            async_save=async_save)
+        with self._training_state():  # async: the tensors are staged before it returns
+            request = save_checkpoint(
+                directory, self.model, self.optimizer, self.scheduler, layout=self.layout,
+                groups=self.groups, step=self.step, num_skipped_steps=self.num_skipped_steps,
+                extra_state=extra_state, checkpoint_format=self.settings.checkpoint_format,
+                async_save=async_save)
         if request is None:
             return False
         if self._async_saves is None:
@@ -287,12 +352,14 @@ class RLTrainer:
         the optimizer's main (FP32) copies are refreshed from them. Collective."""
         from megatron_rl.trainer.checkpoint import load_model_weights
 
-        load_model_weights(directory, self.model)
-        self.optimizer.reload_model_params()
+        with self._training_state():
+            load_model_weights(directory, self.model)
+            self.optimizer.reload_model_params()
 
     def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointState:
-        state = load_checkpoint(directory, self.model, self.optimizer, self.scheduler,
-                                layout=self.layout, groups=self.groups,
-                                load_optimizer=load_optimizer)
+        with self._training_state():
+            state = load_checkpoint(directory, self.model, self.optimizer, self.scheduler,
+                                    layout=self.layout, groups=self.groups,
+                                    load_optimizer=load_optimizer)
         self.step, self.num_skipped_steps = state.step, state.num_skipped_steps
         return state

@@ -58,6 +58,7 @@ class WeightSyncGroups:
     etp_rank: int  # expert tensor parallel
     etp_size: int
     sender_rank: int  # global rank that sends this stage's weights (its lowest rank)
+    pp_size: int = 1
 
     @property
     def is_sender(self) -> bool:
@@ -75,7 +76,8 @@ class WeightSyncGroups:
                    tp_size=ps.get_tensor_model_parallel_world_size(),
                    etp_rank=ps.get_expert_tensor_parallel_rank(),
                    etp_size=ps.get_expert_tensor_parallel_world_size(),
-                   sender_rank=ranks_pp.index(pp_rank))
+                   sender_rank=ranks_pp.index(pp_rank),
+                   pp_size=ps.get_pipeline_model_parallel_world_size())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -51,8 +51,8 @@ from megatron_rl.rollout.types import GeneratorDeadError, GeneratorError
 from megatron_rl.weight_sync.buckets import Bucket
 from megatron_rl.weight_sync.gather import Arena, StageGatherer, WeightSyncGroups
 from megatron_rl.weight_sync.plan import PlannedBucket, plan_buckets
-from megatron_rl.weight_sync.transport import (DiskTransport, DistributedTransport, TensorTransport,
-                                               Transport)
+from megatron_rl.weight_sync.transport import (BucketTurns, DiskTransport, DistributedTransport,
+                                               TensorTransport, Transport)
 
 TRANSPORTS = ("distributed", "tensor", "disk")
 PAUSE_MODES = (None, "in_place", "retract", "abort")
@@ -213,12 +213,17 @@ class WeightSync:
         dist.broadcast(shared, src=0)
         port, session = int(shared[0]), int(shared[1])
         backend = settings.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        name = f"megatron_rl_weights_{session:06x}"
+        # Pipeline stages take turns per bucket and join (transport.py: otherwise two generators
+        # can take two stages' requests in opposite orders and wait on each other for good). A
+        # turn may wait for every other stage's, each bounded by timeout_s.
+        turns = BucketTurns.of_trainer_world(
+            name, timeout_s=settings.timeout_s * self.groups.pp_size) \
+            if self.groups.is_sender and self.groups.pp_size > 1 else None
         return DistributedTransport(
             self.generators, master_address=settings.master_address,
-            master_port=port + self.groups.pp_rank,
-            group_name=f"megatron_rl_weights_{session:06x}_pp{self.groups.pp_rank}",
-            backend=backend,
-            timeout_s=settings.timeout_s,
+            master_port=port + self.groups.pp_rank, group_name=f"{name}_pp{self.groups.pp_rank}",
+            backend=backend, timeout_s=settings.timeout_s, turns=turns,
             device=torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl" else "cpu")
 

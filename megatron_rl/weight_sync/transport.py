@@ -7,6 +7,13 @@
   A generator of several ranks (`Generator.num_ranks`, SGLang's tp_size; expert parallelism
   splits the same ranks) takes that many consecutive ranks of the group (SGLang: rank_offset +
   tp_rank); every one of them receives the full HF tensors and its weight loaders keep its shard.
+  With pipeline parallelism every stage's sender has a group of its own over the same generator
+  ranks, and a generator serves one weight request at a time, in arrival order: two stages
+  sending at once could reach two generators in opposite orders, each then waiting in a
+  broadcast that needs the other (the same holds for the groups' joins). So the stages take
+  turns per bucket and per join (`BucketTurns`), one in flight cluster-wide, every generator
+  seeing the same order (slime serialises its
+  engines' updates with a lock for the same reason); the stages still gather in parallel.
 - `TensorTransport` (colocated fallback): hands the tensors over in memory
   (`update_weights_from_tensor`). The engine may still read a bucket's memory after it replied,
   so a sent bucket's memory is never written again (`Transport.shares_bucket_memory`).
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -149,10 +157,45 @@ def _join_while_watching(joins: Sequence, create, *, timeout_s: float):
     return outcome["group"]
 
 
+class BucketTurns:
+    """A ticket lock over a store every pipeline stage's sender reaches (the trainer world's):
+    `with turns.turn():` runs one bucket's send while no other stage's is running, in the order
+    the senders asked. A sender that died holding the turn makes the others time out (the sync
+    then fails and is retried over a new session's turns)."""
+
+    POLL_S = 0.002
+
+    def __init__(self, store: dist.Store, prefix: str, *, timeout_s: float):
+        self.store = dist.PrefixStore(prefix, store)
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def of_trainer_world(cls, session: str, *, timeout_s: float) -> "BucketTurns":
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return cls(_get_default_store(), f"{session}/bucket_turns/", timeout_s=timeout_s)
+
+    @contextlib.contextmanager
+    def turn(self):
+        ticket = self.store.add("next", 1) - 1
+        deadline = time.monotonic() + self.timeout_s
+        while (serving := self.store.add("serving", 0)) != ticket:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"another pipeline stage's sender held the weight-sync turn for more than "
+                    f"{self.timeout_s:.0f} s (ticket {ticket}, serving {serving}): a stage "
+                    "stopped mid-bucket")
+            time.sleep(self.POLL_S)
+        try:
+            yield
+        finally:
+            self.store.add("serving", 1)
+
+
 class DistributedTransport(Transport):
     def __init__(self, generators: Sequence[Generator], *, master_address: str, master_port: int,
                  group_name: str, backend: str, timeout_s: float,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", turns: BucketTurns | None = None):
         self.generators = list(generators)
         self.group = WeightUpdateGroup(
             master_address=master_address, master_port=master_port, rank_offset=0,
@@ -160,6 +203,7 @@ class DistributedTransport(Transport):
             backend=backend)
         self.timeout_s = timeout_s
         self.device = torch.device(device)
+        self.turns = turns  # None: this is the only stage
         self.times = TransferTimes()
         self._pg: dist.ProcessGroup | None = None
         self._store: dist.Store | None = None
@@ -175,9 +219,11 @@ class DistributedTransport(Transport):
             dataclasses.replace(self.group, rank_offset=o))
             for g, o in zip(self.generators, offsets)]
         store = sender_store(self.group, timeout_s=self.timeout_s)
-        self._pg = _join_while_watching(
-            joins, lambda: init_sender_group(self.group, store, timeout_s=self.timeout_s),
-            timeout_s=self.timeout_s)
+        # The engines serve group joins one at a time too: the stages take turns here as well.
+        with self._turn():
+            self._pg = _join_while_watching(
+                joins, lambda: init_sender_group(self.group, store, timeout_s=self.timeout_s),
+                timeout_s=self.timeout_s)
         self._store = store
 
     def send(self, bucket: Bucket, *, version: int, flush_cache: bool) -> None:
@@ -193,10 +239,14 @@ class DistributedTransport(Transport):
             marks["sent"] = time.perf_counter()
             marks["start"] = start
 
-        _run_all(receives, then=broadcast, timeout_s=self.timeout_s)
+        with self._turn():
+            _run_all(receives, then=broadcast, timeout_s=self.timeout_s)
         done = time.perf_counter()
         self.times.transfer += marks["sent"] - marks["start"]
         self.times.load += done - marks["sent"]
+
+    def _turn(self):
+        return self.turns.turn() if self.turns is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         if self._pg is None:

@@ -10,7 +10,11 @@ Scenarios:
     checkpoint resharding (save at (1,1,1) after step 1, resume at (2,2,2) for steps 2-3); the
     Llama-4 tiny family at (1,1,1) and (2,2,2).
   training (2 ranks): the loss falls over a few steps on a fixed batch; a non-finite loss skips
-    the step without touching the weights.
+    the step without touching the weights. Beside it a trainer that offloads between steps
+    (colocated runs): its gradient buffers freed after construction, each step, a checkpoint save
+    and a load; its losses, weights, Adam state and checkpoint against the plain trainer's; which
+    optimizer tensors may leave the device (FP32 with and without the distributed optimizer,
+    bf16).
 """
 from __future__ import annotations
 
@@ -61,12 +65,15 @@ def make_batch(vocab_size: int, *, seed: int = 0) -> TrainBatch:
 
 
 def settings(layout: ParallelLayout, *, model_name="tiny_moe", lr=1e-3, kind="cispo",
-             max_tokens=24, **overrides) -> TrainerSettings:
+             max_tokens=24, precision="fp32", distributed_optimizer=True, offload=False,
+             **overrides) -> TrainerSettings:
     return TrainerSettings(
-        model_name=model_name, model_size="tiny", layout=layout, precision="fp32",
+        model_name=model_name, model_size="tiny", layout=layout, precision=precision,
         loss=LossSettings(kind=kind, aggregation="prompt", logprob_chunk_size=8),
-        optimizer=OptimizerSettings(lr=lr, lr_warmup_steps=0, clip_grad=1.0),
-        micro_batch_max_tokens=max_tokens, seed=1234, config_overrides=overrides)
+        optimizer=OptimizerSettings(lr=lr, lr_warmup_steps=0, clip_grad=1.0,
+                                    use_distributed_optimizer=distributed_optimizer),
+        micro_batch_max_tokens=max_tokens, seed=1234, offload_between_steps=offload,
+        config_overrides=overrides)
 
 
 def family_for(name: str):
@@ -178,12 +185,117 @@ def scenario_invariance(out: dict, ckpt_root: str) -> None:
                      "tp2_ep2_pp2_sp": {"loss": second.loss, "grad_norm": second.grad_norm}}
 
 
+def grad_buffer_bytes(trainer: RLTrainer) -> int:
+    """Bytes the rank's gradient buffers hold now (0 while offloaded)."""
+    return sum(b.grad_data.untyped_storage().nbytes()
+               for b in trainer.model.buffers + trainer.model.expert_parallel_buffers)
+
+
+def global_max(value: float) -> float:
+    """The largest of every rank's `value`."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return float(tensor)
+
+
+def max_param_diff(a: RLTrainer, b: RLTrainer) -> float:
+    pa, pb = full_params(a), full_params(b)
+    assert pa.keys() == pb.keys()
+    return global_max(max(float((pa[k] - pb[k]).abs().max()) for k in pa))
+
+
+def adam_state(trainer: RLTrainer) -> list[torch.Tensor]:
+    from megatron_rl.trainer.optimizer import offload_targets
+
+    return [state[key] for state, key in
+            offload_targets(trainer.optimizer, [trainer.model]).state_slots]
+
+
+def checkpoint_diff(first: str, second: str) -> dict:
+    """Every tensor of two dist checkpoints (model and optimizer), read back whole."""
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    def flat(tree, prefix=""):  # {path: leaf}
+        if isinstance(tree, (dict, list, tuple)):
+            items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+            return {k: v for key, sub in items for k, v in flat(sub, f"{prefix}/{key}").items()}
+        return {prefix: tree}
+
+    a, b = flat(load_plain_tensors(first)), flat(load_plain_tensors(second))
+    tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
+    return {"num_tensors": len(tensors), "same_keys": sorted(a) == sorted(b),
+            "optimizer_tensors": sum("optimizer" in k for k in tensors),
+            "other_leaves_equal": all(a[k] == b[k] for k in a if k not in tensors),
+            "max_abs_diff": max(float((a[k].double() - b[k].double()).abs().max())
+                                for k in tensors)}
+
+
+def offload_step_checks(trainer: RLTrainer, offloading: RLTrainer, batch: TrainBatch,
+                        ckpt_root: str) -> tuple[list[float], dict]:
+    """Three steps of both trainers from the same initial weights (the offloading one saves
+    and loads a checkpoint while offloaded between steps 2 and 3) -> (the plain trainer's
+    losses, measurements)."""
+    out = {"initial_param_diff": max_param_diff(trainer, offloading),
+           "plain_grad_bytes": grad_buffer_bytes(trainer),
+           "grad_bytes_after_init": grad_buffer_bytes(offloading), "steps": []}
+    losses = []
+    for _ in range(2):
+        plain, offloaded = trainer.train_step(batch), offloading.train_step(batch)
+        losses.append(plain.loss)
+        out["steps"].append({"loss": [plain.loss, offloaded.loss],
+                             "grad_norm": [plain.grad_norm, offloaded.grad_norm],
+                             "offloaded_bytes": [plain.offloaded_bytes,
+                                                 offloaded.offloaded_bytes],
+                             "grad_bytes_after": grad_buffer_bytes(offloading)})
+    out["param_diff"] = max_param_diff(trainer, offloading)
+    state_a, state_b = adam_state(trainer), adam_state(offloading)
+    out["adam_tensors"] = len(state_a)
+    out["adam_diff"] = global_max(max(float((x - y).abs().max())
+                                      for x, y in zip(state_a, state_b, strict=True)))
+    plain_dir = os.path.join(ckpt_root, "plain_step2")
+    offloaded_dir = os.path.join(ckpt_root, "offloaded_step2")
+    trainer.save_checkpoint(plain_dir)
+    offloading.save_checkpoint(offloaded_dir)
+    out["grad_bytes_after_save"] = grad_buffer_bytes(offloading)
+    out["checkpoint"] = checkpoint_diff(plain_dir, offloaded_dir)
+    offloading.load_checkpoint(plain_dir)
+    out["grad_bytes_after_load"] = grad_buffer_bytes(offloading)
+    plain, offloaded = trainer.train_step(batch), offloading.train_step(batch)
+    losses.append(plain.loss)
+    out["step3_loss"] = [plain.loss, offloaded.loss]
+    out["step3_param_diff"] = max_param_diff(trainer, offloading)
+    return losses, out
+
+
+def offload_target_checks(trainer: RLTrainer, layout: ParallelLayout) -> dict:
+    """Which optimizer tensors `offload_targets` would move: FP32 parameters are their own
+    main copy (views of them under the distributed optimizer), bf16 ones have an FP32 copy."""
+    from megatron_rl.trainer.optimizer import offload_targets
+
+    def describe(t: RLTrainer) -> dict:
+        targets = offload_targets(t.optimizer, [t.model])
+        return {"num_main_params": len(targets.main_params),
+                "main_param_numel": sum(p.numel() for p in targets.main_params),
+                "main_dtypes": sorted({str(p.dtype) for p in targets.main_params}),
+                "state_bytes": targets.num_bytes - sum(p.numel() * p.element_size()
+                                                       for p in targets.main_params),
+                "num_params": sum(1 for _ in t.model.parameters()),
+                "param_numel": sum(p.numel() for p in t.model.parameters())}
+
+    out = {"fp32_distributed": describe(trainer)}
+    out["fp32_ddp"] = describe(build(layout, distributed_optimizer=False))
+    out["bf16_distributed"] = describe(build(layout, precision="bf16"))
+    return out
+
+
 def scenario_training(out: dict, ckpt_root: str) -> None:
-    del ckpt_root
     batch = make_batch(vocab_size=96, seed=2)
-    trainer = build(ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True),
-                    kind="grpo", lr=3e-3)
-    out["losses"] = [trainer.train_step(batch).loss for _ in range(6)]
+    layout = ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True)
+    trainer = build(layout, kind="grpo", lr=3e-3)
+    offloading = build(layout, kind="grpo", lr=3e-3, offload=True)
+    losses, out["offload"] = offload_step_checks(trainer, offloading, batch, ckpt_root)
+    del offloading
+    out["losses"] = losses + [trainer.train_step(batch).loss for _ in range(3)]
     before = full_params(trainer)
     bad = TrainBatch(token_ids=batch.token_ids, loss_mask=batch.loss_mask,
                      old_logprobs=[torch.full_like(o, float("nan")) for o in batch.old_logprobs],
@@ -196,6 +308,7 @@ def scenario_training(out: dict, ckpt_root: str) -> None:
                    "max_param_change": max(float((after[k] - before[k]).abs().max())
                                            for k in before)}
     out["after_skip_loss"] = trainer.train_step(batch).loss
+    out["offload"]["targets"] = offload_target_checks(trainer, layout)
 
 
 def main() -> None:

@@ -14,7 +14,10 @@ launch and rank 0 reports numbers as JSON, which the tests below assert on:
 - checkpoint resharding: saved at (1,1,1) after one step, resumed at (2,2,2)+SP, steps 2 and 3
   match the uninterrupted run (step 3 depends on the restored Adam state);
 - the Llama-4 tiny family from models/ at (1,1,1) and (2,2,2)+SP;
-- learning signal (the GRPO loss falls on a fixed batch) and skipping of a non-finite step.
+- learning signal (the GRPO loss falls on a fixed batch) and skipping of a non-finite step;
+- offloading between steps (colocated runs): gradient buffers freed after construction, every
+  step, a checkpoint save and a load, with losses, weights, Adam state and the checkpoint
+  bit-identical to a trainer that keeps everything; only separate FP32 main copies may leave.
 """
 from pathlib import Path
 
@@ -103,3 +106,46 @@ def test_non_finite_step_is_skipped_and_counted(training):
     assert skip["max_param_change"] == 0.0
     # Training continues from the unchanged weights.
     assert training["after_skip_loss"] < training["losses"][-1]
+
+
+def test_offloading_frees_the_gradient_buffers_between_steps(training):
+    offload = training["offload"]
+    assert offload["initial_param_diff"] == 0.0  # the same seed: the same initial weights
+    # The plain trainer's buffer: 21,920 parameters of this TP rank, padded; all freed.
+    assert offload["plain_grad_bytes"] >= 4 * 21920
+    assert offload["grad_bytes_after_init"] == 0
+    for step in offload["steps"]:
+        assert step["grad_bytes_after"] == 0
+        # On CPU the released bytes are the gradient buffers' (optimizer state stays put).
+        assert step["offloaded_bytes"] == [0, offload["plain_grad_bytes"]]
+    assert offload["grad_bytes_after_save"] == offload["grad_bytes_after_load"] == 0
+
+
+def test_offloading_changes_no_bit_of_training_or_checkpoints(training):
+    offload = training["offload"]
+    for step in offload["steps"]:
+        assert step["loss"][0] == step["loss"][1] and step["grad_norm"][0] == step["grad_norm"][1]
+    assert offload["param_diff"] == 0.0
+    assert offload["adam_tensors"] == 3 * 33 and offload["adam_diff"] == 0.0  # moments, step
+    checkpoint = offload["checkpoint"]  # saved while offloaded vs saved by the plain trainer
+    assert checkpoint["same_keys"] and checkpoint["other_leaves_equal"]
+    assert checkpoint["optimizer_tensors"] > 0 and checkpoint["max_abs_diff"] == 0.0
+    # Loaded while offloaded, the next step matches the plain trainer's third.
+    assert offload["step3_loss"][0] == offload["step3_loss"][1] == training["losses"][2]
+    assert offload["step3_param_diff"] == 0.0
+
+
+def test_only_separate_main_copies_leave_with_the_optimizer_state(training):
+    targets = training["offload"]["targets"]
+    # FP32: the distributed optimizer's main params are views of the model's, FP32Optimizer's
+    # are the model's own: moving either would detach the optimizer from the model.
+    assert targets["fp32_distributed"]["num_main_params"] == 0
+    assert targets["fp32_ddp"]["num_main_params"] == 0
+    # After steps: exp_avg and exp_avg_sq (FP32) per element and a 4-byte step per tensor.
+    fp32 = targets["fp32_distributed"]
+    assert fp32["state_bytes"] == 8 * fp32["param_numel"] + 4 * fp32["num_params"]
+    # bf16: every parameter has a separate FP32 copy (DP1: the shard is the whole rank).
+    bf16 = targets["bf16_distributed"]
+    assert bf16["num_main_params"] == bf16["num_params"] == 33
+    assert bf16["main_param_numel"] == bf16["param_numel"]
+    assert bf16["main_dtypes"] == ["torch.float32"]

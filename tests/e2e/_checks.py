@@ -79,3 +79,57 @@ def wait_for_exit(proc: subprocess.Popen, *, timeout: float) -> tuple[str, str]:
         else:
             stderr += note
     return stdout, stderr or ""
+
+
+class SimulatedNodes:
+    """Ray's multi-node simulation on this machine (`ray.cluster_utils.Cluster`: one raylet per
+    node, all on 127.0.0.1), for node-level faults: a head node for the driver only (no CPUs),
+    and nodes added and removed with a role (the custom resources of
+    megatron_rl.cluster.placement). `remove` SIGKILLs every process of the node (raylet, its
+    agents, its workers): a node lost, as when a machine goes away."""
+
+    def __init__(self, temp_dir: str):
+        self._previous_env = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every component on 127.0.0.1
+        from ray._private import ray_constants
+        from ray.cluster_utils import Cluster
+
+        self._previous_flag = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False  # in case ray was imported before
+        self._loopback = dict(node_ip_address="127.0.0.1", object_store_memory=80 * 2**20)
+        self.cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(
+            num_cpus=0, include_dashboard=False, temp_dir=temp_dir, **self._loopback))
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add(self, role: str):
+        """A node of 1 CPU for one trainer rank ("trainer") or one engine ("generator")."""
+        from megatron_rl.cluster.placement import GENERATOR_NODE_RESOURCE, TRAINER_NODE_RESOURCE
+
+        resource = {"trainer": TRAINER_NODE_RESOURCE, "generator": GENERATOR_NODE_RESOURCE}[role]
+        return self.cluster.add_node(num_cpus=1, resources={resource: 1}, **self._loopback)
+
+    def node(self, node_id: str):
+        return next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+
+    def remove(self, node) -> float:
+        """SIGKILL the node's processes; returns when (time.time())."""
+        import time
+
+        at = time.time()
+        self.cluster.remove_node(node, allow_graceful=False)
+        return at
+
+    def shutdown(self) -> None:
+        from ray._private import ray_constants
+
+        try:
+            self.cluster.shutdown()
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = self._previous_flag
+            if self._previous_env is None:
+                os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+            else:
+                os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = self._previous_env

@@ -16,6 +16,7 @@ split saved with `datasets` (the colocated e2e reads verl's Parquet layout).
 """
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -313,3 +314,145 @@ def _check_pipeline_run(out, metrics):
         assert len(samples) == 8 * 2 and all(s["reward"] is not None for s in samples), step
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "step_000006", "step_000008"]
+
+
+CHAOS_SEED = int(os.environ.get("MEGATRON_RL_CHAOS_SEED", time.time_ns() % 10_000))
+
+
+def _random_engine_process(rng, generators):
+    """(what, pid) of a process of a random serving engine: its SGLang server's leader, one of
+    the server's children (scheduler, detokenizer), or the Ray worker of its GeneratorActor."""
+    import psutil
+
+    engine = rng.choice(generators)
+    leader = psutil.Process(engine["pid"])
+    worker = next(p for p in leader.parents() if " ".join(p.cmdline()).startswith(
+        "ray::GeneratorActor"))
+    choices = {f"{engine['name']}'s server": leader.pid,
+               f"{engine['name']}'s Ray worker": worker.pid}
+    children = leader.children(recursive=True)
+    if children:
+        child = rng.choice(children)
+        choices[f"{engine['name']}'s server child {child.name()}"] = child.pid
+    what = rng.choice(sorted(choices))
+    return what, choices[what]
+
+
+def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_resume(tmp_path):
+    """Node-level faults on Ray's multi-node simulation (tests/e2e/_checks.py SimulatedNodes): a
+    head for the driver, a trainer node, and two generator nodes of one engine each;
+    rollout.min_generators=1. After step 1 the node of generator-0 is lost (every process of it
+    SIGKILLed): Ray declares it dead, the driver takes generator-0 out of the rotation (its
+    groups re-queued) and the run goes on with generator-1. A new generator node joins: Ray
+    places generator-0's bundle there and the driver brings a new engine to the current weights
+    and back into the rotation. After the next checkpoint the trainer's node is lost: the run
+    Then a process of a random engine (its server, a child of it, or its Ray worker, drawn from
+    CHAOS_SEED) is SIGKILLed at a random moment, and the engine is restarted. After the next
+    checkpoint the trainer's node is lost: the run
+    stops within a bound, exit status 75, one message naming the node and the checkpoint
+    `--resume` loads. A new trainer node joins and `--resume` finishes the run. The ledger holds
+    every group exactly once, TensorBoard shows the engines in the rotation (2, then 1, then 2),
+    and no SGLang server or Ray process is left."""
+    import tempfile
+
+    from _checks import SimulatedNodes
+
+    from megatron_rl.resilience.ledger import check_ledger
+
+    model = tiny_llama_checkpoint(tmp_path / "tiny_llama")
+    out = tmp_path / "run"
+    temp_dir = tempfile.mkdtemp(prefix="mrl_node_", dir="/tmp")  # short: Unix socket paths
+    nodes = SimulatedNodes(temp_dir)
+    timings, proc, resumed = {}, None, None
+    try:
+        trainer_node = nodes.add("trainer")
+        nodes.add("generator"), nodes.add("generator")
+        recipe = [f"model.hf_checkpoint={model}", f"output_dir={out}",
+                  f"cluster.address={nodes.address}", "rollout.num_generators=2",
+                  "rollout.min_generators=1", "rollout.health_check_interval_s=2",
+                  "weight_sync.timeout_s=20", "checkpoint.interval_steps=2",
+                  "checkpoint.keep_last=2"]
+        # More steps than it will reach: the trainer node's loss ends it.
+        proc = _start([*recipe, "train.num_steps=400"])
+
+        def processes():
+            return json.loads((out / "processes.json").read_text())
+
+        def generator_faults():
+            return [f for f in _jsonl(out / "faults.jsonl") if f["kind"] == "generator"]
+
+        _wait_for(lambda: _steps(out) and max(_steps(out)) >= 1, proc, "step 1")
+        where = processes()
+        assert where["driver"]["node_id"] == nodes.cluster.head_node.node_id, where
+        lost_generator = where["generators"][0]
+        removed_at = nodes.remove(nodes.node(lost_generator["node_id"]))
+        # processes.json lists the serving engines: generator-0 left once the driver saw it.
+        _wait_for(lambda: len(processes()["generators"]) == 1, proc, "generator-0 taken out",
+                  timeout=300)
+        timings["generator node: out of the rotation"] = time.time() - removed_at
+        step_at_loss = max(_steps(out))
+        # The run goes on with generator-1 alone: two more steps before any node joins.
+        _wait_for(lambda: max(_steps(out)) >= step_at_loss + 2, proc, "steps on one engine",
+                  timeout=600)
+        added_at = time.time()
+        nodes.add("generator")
+        _wait_for(generator_faults, proc, "generator-0 re-created on the new node", timeout=600)
+        fault = generator_faults()[0]
+        assert "generator 'generator-0'" in fault["what"] and "was lost" in fault["what"], fault
+        timings["generator node: detection"] = fault["detected_at"] - removed_at
+        timings["generator node: back after the new node joined"] = fault["recovered_at"] \
+            - added_at
+        requeued = fault["requeued_groups"]
+        assert len(processes()["generators"]) == 2
+        # A process fault at a random moment, drawn from the seed (printed: rerun it with
+        # MEGATRON_RL_CHAOS_SEED): an engine's server, one of its children, or its Ray worker.
+        rng = random.Random(CHAOS_SEED)
+        what, pid = _random_engine_process(rng, processes()["generators"])
+        time.sleep(rng.uniform(0.0, 5.0))
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        _wait_for(lambda: len(generator_faults()) >= 2, proc, f"recovery from SIGKILL of {what}")
+        timings[f"SIGKILL {what}: back after"] = generator_faults()[1]["recovered_at"] - killed_at
+        back_step = max(_steps(out))
+
+        def checkpoint_after_return():
+            done = [int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*")]
+            return max(done, default=0) > back_step
+
+        _wait_for(checkpoint_after_return, proc, "a checkpoint with generator-0 back")
+        trainer_removed_at = nodes.remove(trainer_node)
+        rc, output = _finish(proc, timeout=300)
+        timings["trainer node: stopped after"] = time.time() - trainer_removed_at
+        assert rc == 75, output[-6000:]
+        message = [line for line in output.splitlines() if "megatron-rl train: stopped" in line]
+        assert len(message) == 1, output[-6000:]
+        assert f"lost node 127.0.0.1 (Ray node id {trainer_node.node_id[:12]}) with trainer " \
+               "rank 0" in message[0], message[0]
+        resume_from = re.search(r"--resume` continues from (\S+step_(\d+))", message[0])
+        assert resume_from and Path(resume_from.group(1)).is_dir(), message[0]
+        assert timings["trainer node: stopped after"] < 180, timings
+        assert not _no_orphans(model, proc.pid, grace_s=60)
+
+        nodes.add("trainer")
+        last_step = int(resume_from.group(2)) + 2
+        resumed = _start([*recipe, f"train.num_steps={last_step}", "--resume"])
+        rc, output = _finish(resumed)
+        assert rc == 0, output[-6000:]
+        assert f"resumed from {resume_from.group(1)}" in output, output[-4000:]
+    finally:
+        for run in (proc, resumed):
+            if run is not None and run.poll() is None:  # a failed check: end the run first
+                run.kill()
+                run.wait()
+        nodes.shutdown()
+    assert not _no_orphans(model, os.getpid(), grace_s=30)
+
+    records = _jsonl(out / "ledger.jsonl")
+    assert _steps(out) == list(range(1, last_step + 1))
+    assert check_ledger(records) == {"lost": [], "duplicated": []}
+    engines = scalars(out / "tensorboard")["rollout/engines_in_rotation"]
+    assert engines[1] == 2.0 and min(engines.values()) == 1.0 and engines[last_step] == 2.0, \
+        engines
+    print(f"\nchaos seed {CHAOS_SEED}: " + "; ".join(f"{what} {s:.1f} s"
+                                                    for what, s in timings.items())
+          + f"; {requeued} group(s) of the lost node re-queued")

@@ -8,7 +8,9 @@ math-verify), served by the tiny Llama whose tokenizer is given a chat template.
 (a saved `datasets` split, question/answer JSON Lines, our own) reach the same run path through
 `load_run_prompts`, checked in tests/unit/test_data_run_prompts.py and test_data_layouts.py.
 
-The independent check of colocation is parity: with the synchronous schedule every step's samples
+The trainer frees its gradient buffers after every step (RLTrainer.offload_training_state;
+its optimizer state stays where it is on CPU) and reports it. The independent check of
+colocation is parity: with the synchronous schedule every step's samples
 come from the weights the trainer held, so the train/generator log-prob mismatch stays at float
 noise on every step, which it would not if the release / resume cycle or the load into resumed
 memory lost or corrupted weights (or the KV cache of old weights were reused). Of the data: the
@@ -67,6 +69,9 @@ def test_megatron_rl_train_colocated_synchronous_on_verl_parquet_with_chat_promp
     assert not noise, "\n".join(noise[:20])
     scalars = read_scalars(out / "tensorboard")
     assert sorted(scalars["colocated/release_seconds"]) == [1, 2, 3]  # released every step
+    # The trainer freed its gradient buffers after every step (the CPU part of its offload).
+    offloaded = scalars["colocated/trainer_offloaded_gib"]
+    assert sorted(offloaded) == [1, 2, 3] and min(offloaded.values()) > 0, offloaded
     assert set(scalars["weight_sync/version"].values()) == {1.0, 2.0, 3.0}
     assert set(scalars["train/skipped"].values()) == {0.0}
     assert max(scalars["rollout/staleness/max_lag"].values()) == 0  # synchronous

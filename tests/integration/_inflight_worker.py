@@ -31,10 +31,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
+from _workers import ENGINE_KEY_ENV  # noqa: E402
 from _weight_sync_worker import make_trainer, sampled_batch, trainer_logprobs  # noqa: E402
 
 from megatron_rl.rollout import SamplingParams, SGLangGenerator  # noqa: E402
 
+API_KEY = os.environ.get(ENGINE_KEY_ENV)  # the server's, if it has one
 NUM_TOKENS = 200
 NUM_REQUESTS = 4
 # Hazard 2: a 40-token prompt whose KV a finished version-1 request leaves in the prefix cache.
@@ -174,7 +176,8 @@ class Run:
         self.model_dir, self.url = model_dir, url
         self.family = family_for(model_dir)
         self.trainer = make_trainer(self.family)
-        self.generator = SGLangGenerator(url, request_timeout_s=240, max_retries=2)
+        self.generator = SGLangGenerator(url, request_timeout_s=240, max_retries=2,
+                                         api_key=API_KEY)
         # Small buckets (16 KiB): a sync takes many buckets, so a failure can leave a partial
         # load behind.
         self.settings = WeightSyncSettings(bucket_bytes=16 * 2**10, timeout_s=120)
@@ -298,7 +301,8 @@ class Run:
                 out["failed_client_error"] = f"{type(exc).__name__}: {exc}"
             # Recovery: a fresh client and sync load the whole model again, then continue.
             failed_version = self.sync.version
-            self.generator = SGLangGenerator(self.url, request_timeout_s=240, max_retries=2)
+            self.generator = SGLangGenerator(self.url, request_timeout_s=240, max_retries=2,
+                                             api_key=API_KEY)
             self.sync.close()
             self.sync = self.new_sync(self.generator)
             self.sync.version = failed_version
@@ -331,7 +335,7 @@ class Run:
         out["partial_vs_old_weights"] = max_abs(
             (g, float(f)) for r, fo in zip(results, full_old) for g, f in zip(r.logprobs, fo))
         # Resubmission, under the same admission key (its cache was flushed with the update).
-        client = SGLangGenerator(self.url, request_timeout_s=240)
+        client = SGLangGenerator(self.url, request_timeout_s=240, api_key=API_KEY)
         meta = capture_meta(client)
         again = client.generate([list(r.prompt_token_ids) + list(r.token_ids) for r in results],
                                 SamplingParams(max_new_tokens=16, seed=7, ignore_eos=True),
@@ -348,7 +352,7 @@ class Run:
         """Hazard 2: the prompt of a request finished under the previous version, asked again
         under the new version's key (no cache hit, the new weights) and, as a control, under
         the old key (the stale KV is there and is reused)."""
-        client = SGLangGenerator(self.url, request_timeout_s=240)
+        client = SGLangGenerator(self.url, request_timeout_s=240, api_key=API_KEY)
         meta = capture_meta(client)
         new = client.generate([CACHE_PROMPT], PARAMS_SHORT, extra_key=f"v{version}")[0]
         stale = client.generate([CACHE_PROMPT], PARAMS_SHORT, extra_key=f"v{version - 1}")[0]

@@ -118,10 +118,10 @@ def check_engine_layout(generator) -> dict:
     return got
 
 
-def check_sync(result: dict, *, engine_ranks: int) -> None:
-    """The measurements of _tp_ep_sync_worker.py: every engine rank joined; before any sync the
-    engine serves other weights; after each sync its log-probs are the trainer's FP32 ones and
-    the version advanced; the train step between the syncs moved the trainer away first."""
+def check_sync(result: dict, *, engine_ranks: list[int]) -> None:
+    """The measurements of _tp_ep_sync_worker.py: every rank of every engine joined
+    (`engine_ranks`, per engine); before any sync the engines serve other weights; after each
+    sync their log-probs are the trainer's FP32 ones and every engine's version advanced; the train step between the syncs moved the trainer away first."""
     print(f"trainer {result['layout']} -> engine of {result['engine_ranks']} ranks: max |logprob "
           f"diff| stale {result['stale_max_diff']:.3g}, "
           + ", ".join(f"sync {s['version']} {s['max_diff']:.3g} ({s['total_buckets']} buckets, "
@@ -132,8 +132,8 @@ def check_sync(result: dict, *, engine_ranks: int) -> None:
     assert result["stale_max_diff"] > 0.1, result
     sync1, sync2 = result["syncs"]
     for version, sync in ((1, sync1), (2, sync2)):
-        assert sync["version"] == version and sync["generator_version"] == version, sync
-        assert sync["server_version"] == str(version), sync
+        assert sync["version"] == version and sync["generator_version"] == [version], sync
+        assert sync["server_version"] == [str(version)], sync
         assert sync["max_diff"] < LOGPROB_TOLERANCE, sync
         assert sync["total_buckets"] > 1, sync
     assert not result["step_skipped"]

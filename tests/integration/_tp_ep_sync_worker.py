@@ -1,7 +1,8 @@
 """Trainer side of the tensor- / expert-parallel engine tests (test_sglang_tp_ep*.py): one
-torchrun launch (2 ranks) syncing a Megatron trainer into a multi-rank SGLang engine.
+torchrun launch (2 ranks) syncing a Megatron trainer into a multi-rank SGLang engine, or into
+several engines at once (GENERATOR_URLS comma-separated: all of them serve MODEL_DIR's model).
 
-Usage: torchrun --nproc-per-node 2 _tp_ep_sync_worker.py MODEL_DIR GENERATOR_URL OUT_JSON LAYOUT
+Usage: torchrun --nproc-per-node 2 _tp_ep_sync_worker.py MODEL_DIR GENERATOR_URLS OUT_JSON LAYOUT
 LAYOUT (the trainer's, on 2 ranks): "tp2" (TP2 + SP, EP1), "ep2" (TP1, EP2 x ETP1), "pp2" (PP2).
 
 The engine's rank count comes from the server (`SGLangGenerator(num_ranks=None)`): the
@@ -72,35 +73,39 @@ def train_on_samples(trainer: RLTrainer, generator, rank: int) -> dict:
 def main() -> None:
     from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
 
-    model_dir, url, out_path, layout = sys.argv[1:5]
+    model_dir, urls, out_path, layout = sys.argv[1:5]
     family = family_for(model_dir)
     trainer = make_trainer(family, LAYOUTS[layout],
                            config_overrides={"use_cpu_initialization": True})
     rank = torch.distributed.get_rank()
-    generator = SGLangGenerator(url, num_ranks=None, request_timeout_s=120, max_retries=2)
-    result: dict = {"layout": layout, "engine_ranks": generator.num_ranks}
+    generators = [SGLangGenerator(url, num_ranks=None, request_timeout_s=120, max_retries=2)
+                  for url in urls.split(",")]
+    generator = generators[0]  # samples the train step's batch
+    result: dict = {"layout": layout, "engine_ranks": [g.num_ranks for g in generators]}
 
-    result["stale_max_diff"] = max_logprob_diff(trainer, SEQUENCES, scored(generator, rank))
+    def max_diff() -> float:  # over every engine
+        return max(max_logprob_diff(trainer, SEQUENCES, scored(g, rank)) for g in generators)
+
+    result["stale_max_diff"] = max_diff()
     # Small buckets (16 KiB): a sync takes many buckets, including tensors larger than one.
-    sync = WeightSync(trainer.model, family.weight_groups(), [generator],
+    sync = WeightSync(trainer.model, family.weight_groups(), generators,
                       WeightSyncSettings(bucket_bytes=16 * 2**10, timeout_s=120),
                       hf_vocab_size=family.hf_config.vocab_size)
     syncs = []
     for version in (1, 2):
         if version == 2:
             result.update(train_on_samples(trainer, generator, rank))
-            result["before_sync2_max_diff"] = max_logprob_diff(trainer, SEQUENCES,
-                                                               scored(generator, rank))
+            result["before_sync2_max_diff"] = max_diff()
         start = time.perf_counter()
         report = sync.sync()
         seconds = time.perf_counter() - start
         syncs.append({"version": report.version, "num_buckets": report.num_buckets,
                       "num_bytes": report.num_bytes, "seconds": seconds,
                       "transfer_s": report.transfer_s, "load_s": report.load_s,
-                      "max_diff": max_logprob_diff(trainer, SEQUENCES, scored(generator, rank)),
-                      "generator_version": generator.weight_version,
-                      "server_version": generator.server_weight_version() if rank == 0
-                      else None})
+                      "max_diff": max_diff(),
+                      "generator_version": sorted({g.weight_version for g in generators}),
+                      "server_version": sorted({g.server_weight_version() for g in generators})
+                      if rank == 0 else None})
     # Every stage's sender's bytes and buckets (PP: each stage sends its own).
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, [(s["num_bytes"], s["num_buckets"])

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _hf_families import family_for  # noqa: E402
+from _workers import ENGINE_KEY_ENV  # noqa: E402
 
 from megatron_rl.rollout import SamplingParams, SGLangGenerator, logprob_mismatch  # noqa: E402
 from megatron_rl.rollout.sglang_server import free_port  # noqa: E402
@@ -191,7 +192,8 @@ def main() -> None:
     family = family_for(model_dir)
     trainer = make_trainer(family, LAYOUTS[layout])
     rank = torch.distributed.get_rank()
-    generator = SGLangGenerator(url, request_timeout_s=120, max_retries=2)
+    generator = SGLangGenerator(url, request_timeout_s=120, max_retries=2,
+                                api_key=os.environ.get(ENGINE_KEY_ENV))
     result: dict = {"layout": layout}
 
     # Small buckets (16 KiB): a sync takes many buckets, including tensors larger than one.

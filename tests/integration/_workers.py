@@ -1,6 +1,7 @@
 """Launching this folder's trainer-side worker scripts (_*_worker.py) from the pytest side.
 
-Every worker takes `MODEL_DIR GENERATOR_URL OUT_JSON [ARGS...]`, runs under `torchrun
+Every worker takes `MODEL_DIR GENERATOR_URL OUT_JSON [ARGS...]` (and the generator's API key, if
+it has one, in ENGINE_KEY_ENV: never on a command line), runs under `torchrun
 --standalone` (torchrun binds its own free port: no fixed ports to collide), and its rank 0 writes
 what it measured to OUT_JSON; the test asserts on that. The launch is its own process group, so a
 timeout kills torchrun and every rank. Output goes to a log file, not a pipe: the colocated-tensor
@@ -19,19 +20,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 LOG_TAIL_CHARS = 8000
+ENGINE_KEY_ENV = "TEST_ENGINE_API_KEY"
 
 
 class WorkerLaunch:
     """One torchrun launch of a worker script; `result()` waits for it."""
 
     def __init__(self, script: str, model_dir: str, url: str, *args: str, num_ranks: int,
-                 directory: Path):
+                 directory: Path, api_key: str | None = None):
         self.out_path = directory / "result.json"
         self.log_path = directory / "worker.log"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node", str(num_ranks), str(HERE / script), model_dir, url,
                    str(self.out_path), *args]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        if api_key is not None:
+            env[ENGINE_KEY_ENV] = api_key
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -54,10 +58,10 @@ class WorkerLaunch:
 
 
 def run_worker(script: str, model_dir: str, url: str, *args: str, num_ranks: int,
-               directory: Path, timeout_s: float) -> dict:
+               directory: Path, timeout_s: float, api_key: str | None = None) -> dict:
     """Launch `script` against the generator at `url` and return rank 0's measurements."""
     launch = WorkerLaunch(script, model_dir, url, *args, num_ranks=num_ranks,
-                          directory=directory)
+                          directory=directory, api_key=api_key)
     try:
         return launch.result(timeout_s)
     finally:

@@ -9,6 +9,11 @@ sees, whatever the order. The reset is checked: after it the server's log-probs 
 must equal those it gave right after launch, bit for bit; a server that cannot be reset (it died,
 or a test left it wedged) is relaunched, with a warning.
 
+Each server runs with an API key of its own (SGLangServerSettings.api_key, as a run's engines do),
+so every test against it also checks that its clients send the key: the clients made from the
+server pass it on (`SGLangGenerator(server=...)`), others take `server.settings.api_key` (worker
+scripts get it in their environment: _workers.ENGINE_KEY_ENV).
+
 A test asks for `llama_generator` / `qwen3_moe_generator` (a fresh client of the reset server); a
 module-scoped fixture calls `tiny_llama_server.fresh()` itself. The modules sharing a server run
 back to back (collection order otherwise kept) and the server is shut down after its last test:
@@ -16,6 +21,7 @@ test_sandbox_hostile.py requires this process to have no other child processes.
 """
 from __future__ import annotations
 
+import secrets
 import sys
 import warnings
 from pathlib import Path
@@ -76,7 +82,7 @@ class SharedServer:
             # platform/sglang_cpu.py fix 11 (the KV cache is max_total_tokens).
             model_path=str(model_dir), dtype="float32", mem_fraction_static=0.001,
             max_total_tokens=8192, startup_timeout_s=300, request_timeout_s=240,
-            log_path=str(self._directory / "server.log")))
+            log_path=str(self._directory / "server.log"), api_key=secrets.token_urlsafe(16)))
         self._launch_scores = self._client().score(PROBE_SEQUENCES)
 
     def _reset(self) -> str | None:

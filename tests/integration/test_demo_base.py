@@ -60,7 +60,7 @@ def served_demo_size(tmp_path_factory):
         patch.setenv(CHILD_START_ENV, "forkserver")
         server = SGLangServer.launch(SGLangServerSettings(
             model_path=str(served), dtype="bfloat16", mem_fraction_static=0.05,
-            max_total_tokens=4096, startup_timeout_s=240, request_timeout_s=120,
+            max_total_tokens=4096, startup_timeout_s=900, request_timeout_s=120,
             log_path=str(directory / "server.log")))
     try:
         yield directory / "text", SGLangGenerator(server.url, server=server)

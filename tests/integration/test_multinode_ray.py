@@ -12,7 +12,10 @@ Checked: the trainer rank and the SGLang server run under the raylet of the node
 (found from the process tree while the run is going, not from what Ray reports), the run finishes
 with both steps trained at float-noise train/generator log-prob mismatch, TensorBoard and its
 final checkpoint written (validation is off: the e2e tests cover it); and after the cluster is
-shut down no process of it is left. Also here, cheap: the layout arithmetic of node roles (which
+shut down no process of it is left. The engine's per-run API key (read from the server's start
+environment, where the run hands it over): a request without it is refused while the run goes,
+and it is in no command line, nor in any file the run or Ray wrote (config.yaml, processes.json,
+the generator log, Ray's logs) nor in the run's output. Also here, cheap: the layout arithmetic of node roles (which
 bundles ask for which resource) and the launch scripts' composition (what runs on which node).
 """
 from __future__ import annotations
@@ -32,6 +35,8 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # importlib mode: the e2e run helpers
+
+from _checks import SimulatedNodes  # noqa: E402
 
 NUM_STEPS = 2
 
@@ -105,32 +110,13 @@ def test_launch_scripts_compose_the_run(tmp_path):
     assert all("--block" not in c for c in commands)  # ssh: ray start returns
 
 
-class _SimulatedNodes:
+class _SimulatedNodes(SimulatedNodes):
     """Head (driver only, no CPUs), one trainer node and one generator node, on loopback."""
 
     def __init__(self, temp_dir: str):
-        # Before Ray reads it (this process may have imported ray already: set the constant too),
-        # so that every component binds 127.0.0.1 (megatron_rl/cluster/runtime.py).
-        self._previous_env = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        from ray._private import ray_constants
-        from ray.cluster_utils import Cluster
-
-        from megatron_rl.cluster.placement import GENERATOR_NODE_RESOURCE, TRAINER_NODE_RESOURCE
-
-        self._previous_flag = ray_constants.ENABLE_RAY_CLUSTER
-        ray_constants.ENABLE_RAY_CLUSTER = False
-        loopback = dict(node_ip_address="127.0.0.1", object_store_memory=80 * 2**20)
-        self.cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(
-            num_cpus=0, include_dashboard=False, temp_dir=temp_dir, **loopback))
-        self.trainer_node = self.cluster.add_node(
-            num_cpus=1, resources={TRAINER_NODE_RESOURCE: 1}, **loopback)
-        self.generator_node = self.cluster.add_node(
-            num_cpus=1, resources={GENERATOR_NODE_RESOURCE: 1}, **loopback)
-
-    @property
-    def address(self) -> str:
-        return self.cluster.address
+        super().__init__(temp_dir)
+        self.trainer_node = self.add("trainer")
+        self.generator_node = self.add("generator")
 
     def raylet_pids(self) -> dict[int, str]:
         """{raylet pid: node name}."""
@@ -138,18 +124,6 @@ class _SimulatedNodes:
                  "generator": self.generator_node}
         return {node.all_processes["raylet"][0].process.pid: name
                 for name, node in nodes.items()}
-
-    def shutdown(self) -> None:
-        from ray._private import ray_constants
-
-        try:
-            self.cluster.shutdown()
-        finally:
-            ray_constants.ENABLE_RAY_CLUSTER = self._previous_flag
-            if self._previous_env is None:
-                os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-            else:
-                os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = self._previous_env
 
 
 def _node_of(pid: int, raylets: dict[int, str]) -> str | None:
@@ -202,6 +176,27 @@ def _alive(processes: set[tuple[int, float]]) -> list[str]:
     return alive
 
 
+def _engine_key(generator: dict) -> str:
+    """The run's engine API key, from the SGLang server's start environment (readable by its
+    user only); checks meanwhile that the server refuses a request without it and that no
+    command line shows it."""
+    import psutil
+    import requests
+
+    from megatron_rl.rollout.sglang_server import API_KEY_ENV
+
+    environ = Path(f"/proc/{generator['pid']}/environ").read_bytes().split(b"\0")
+    (key,) = [e.split(b"=", 1)[1].decode() for e in environ
+              if e.startswith(API_KEY_ENV.encode() + b"=")]
+    assert len(key) >= 32
+    answer = requests.post(f"{generator['url']}/generate", timeout=60,
+                           json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}})
+    assert answer.status_code == 401, answer.text
+    for process in psutil.process_iter(["cmdline"]):
+        assert key not in " ".join(process.info["cmdline"] or []), process
+    return key
+
+
 def test_tiny_run_across_simulated_nodes(tmp_path):
     from _checks import scalars as read_scalars
     from _checks import wait_for_exit
@@ -246,6 +241,7 @@ def test_tiny_run_across_simulated_nodes(tmp_path):
                 f"generator {g['name']}": _node_of(g["pid"], raylets)
                 for g in where["generators"]}
             running = _descendants()  # the clusters' processes and the run's, for the end check
+            engine_key = None if where is None else _engine_key(where["generators"][0])
             laps.append(("run started", time.perf_counter() - started - sum(s for _, s in laps)))
         finally:
             stdout, _ = wait_for_exit(proc, timeout=600)
@@ -264,6 +260,10 @@ def test_tiny_run_across_simulated_nodes(tmp_path):
     assert set(scalars["weight_sync/version"].values()) == set(
         float(v) for v in range(1, NUM_STEPS + 1))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{NUM_STEPS:06d}"]
+    assert (out / "config.yaml").is_file() and (out / "generator-0.log").is_file()
+    holders = [str(path) for root in (out, Path(temp_dir)) for path in root.rglob("*")
+               if path.is_file() and engine_key.encode() in path.read_bytes()]
+    assert not holders and engine_key not in stdout, f"the engines' API key is in {holders}"
 
     deadline = time.monotonic() + 30
     while (left := _alive(running)) and time.monotonic() < deadline:

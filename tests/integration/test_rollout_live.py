@@ -54,7 +54,8 @@ def test_forced_interruption_on_a_live_server(llama_generator):
     prompts = [(5, 6, 7), (9, 10, 11, 12), (20, 21), (30, 31, 32, 33, 34)]
 
     async def rollouts():
-        async with AsyncSGLangClient(llama_generator.url, request_timeout_s=120) as client:
+        async with AsyncSGLangClient(llama_generator.url, request_timeout_s=120,
+                                     api_key=llama_generator.server.settings.api_key) as client:
             async def one(group_id, prompt):
                 generate_one = bind_generate(client, params, extra_key="v0")
                 return await generate_completion(generate_one, prompt, settings=settings,
@@ -123,7 +124,8 @@ def test_rollout_manager_admits_under_the_bound_and_scores_with_the_verifier(lla
     gate = AdmissionGate(StalenessSettings(max_off_policyness=1, prompts_per_step=2))
 
     async def run():
-        async with AsyncSGLangClient(llama_generator.url, request_timeout_s=120) as client:
+        async with AsyncSGLangClient(llama_generator.url, request_timeout_s=120,
+                                     api_key=llama_generator.server.settings.api_key) as client:
             manager = RolloutManager(
                 clients=[client], prompt_token_ids=[encode(r.prompt) for r in records],
                 records=records, sampler=NoPositiveResamplingSampler(len(records), seed=0),
@@ -181,8 +183,8 @@ def test_a_thousand_requests_in_flight_on_one_generator_and_no_false_death(llama
     params = SamplingParams(max_new_tokens=1, purpose="eval", seed=3)
 
     async def run():
-        async with AsyncSGLangClient(llama_generator.url, max_connections=num_requests) \
-                as client:
+        async with AsyncSGLangClient(llama_generator.url, max_connections=num_requests,
+                                     api_key=llama_generator.server.settings.api_key) as client:
             manager = RolloutManager(
                 clients=[client], prompt_token_ids=[[5, 6]], records=[record],
                 sampler=NoPositiveResamplingSampler(1, seed=0),

@@ -40,7 +40,7 @@ def inflight(tiny_llama_server, tmp_path_factory) -> dict:
     assert generator.server.settings.disable_overlap_schedule  # hazard 1: exact labels
     result = run_worker("_inflight_worker.py", generator.server.settings.model_path,
                         generator.url, num_ranks=1, directory=tmp_path_factory.mktemp("inflight"),
-                        timeout_s=900)
+                        timeout_s=900, api_key=generator.server.settings.api_key)
     print(json.dumps(result, indent=1))  # the measured numbers, with pytest -s
     return result
 

@@ -37,4 +37,4 @@ def test_engine_tp2_matches_transformers(fresh_engine):
 def test_sync_from_trainer_ep2_into_engine_tp2(fresh_engine, tmp_path):
     result = run_worker("_tp_ep_sync_worker.py", fresh_engine.server.settings.model_path,
                         fresh_engine.url, "ep2", num_ranks=2, directory=tmp_path, timeout_s=600)
-    check_sync(result, engine_ranks=2)
+    check_sync(result, engine_ranks=[2])

@@ -68,7 +68,8 @@ def _check_sync_results(result: dict) -> None:
 
 def _run_worker(generator, layout: str, directory: Path) -> dict:
     return run_worker("_weight_sync_worker.py", generator.server.settings.model_path,
-                      generator.url, layout, num_ranks=2, directory=directory, timeout_s=400)
+                      generator.url, layout, num_ranks=2, directory=directory, timeout_s=400,
+                      api_key=generator.server.settings.api_key)
 
 
 def test_weight_sync_llama_tp2(llama_generator, tmp_path):

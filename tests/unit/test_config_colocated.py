@@ -30,3 +30,25 @@ def test_colocated_server_gets_its_gpus_and_the_memory_saver(tmp_path):
     assert "--enable-memory-saver" in settings.server_args(port=1)
     plain = SGLangServerSettings(model_path=str(tmp_path), device="cpu")
     assert "--enable-memory-saver" not in plain.server_args(port=1)
+
+
+def test_colocated_needs_a_memory_fraction_for_the_engines():
+    # Null leaves each engine SGLang's default share of a device the trainer also holds.
+    with pytest.raises(ConfigError) as refused:
+        load_config(RECIPE, ["cluster.colocated=true", "rollout.max_off_policyness=0",
+                             "rollout.mem_fraction_static=null"])
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "cluster.colocated" in message and "rollout.mem_fraction_static" in message
+    assert "megatron-rl plan" in message
+    # Disaggregated engines own their devices: null stays SGLang's choice.
+    plain = load_config(RECIPE, ["rollout.mem_fraction_static=null"])
+    assert plain.rollout.mem_fraction_static is None and not plain.cluster.colocated
+
+
+def test_colocated_trainer_offloads_between_steps():
+    from megatron_rl.trainer import TrainerSettings
+
+    colocated = load_config(RECIPE, ["cluster.colocated=true", "rollout.max_off_policyness=0"])
+    assert TrainerSettings.from_run_config(colocated).offload_between_steps
+    assert not TrainerSettings.from_run_config(load_config(RECIPE)).offload_between_steps

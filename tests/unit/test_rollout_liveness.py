@@ -40,13 +40,16 @@ def _completion(n: int = 1) -> dict:
 
 class StandInEngine:
     """An SGLang stand-in: /generate answers after `generate_s` (None: never, a hung
-    scheduler); /health_generate answers 200 when the engine makes progress (`stepping`) and
-    503 after `health_window_s` otherwise, as SGLang does. Counts what it was asked."""
+    scheduler), and with `hold_until` not before it has held that many requests at once (at
+    most 60 s more: a loaded machine may take seconds to resend a hung engine's requests);
+    /health_generate answers 200 when the engine makes progress (`stepping`) and 503 after
+    `health_window_s` otherwise, as SGLang does. Counts what it was asked."""
 
     def __init__(self, *, generate_s: float | None, stepping: bool,
-                 health_window_s: float = 0.3):
+                 health_window_s: float = 0.3, hold_until: int | None = None):
         self.generate_s, self.stepping, self.health_window_s = generate_s, stepping, \
             health_window_s
+        self.hold_until, self._held = hold_until, None
         self.generate_calls = self.health_calls = self.in_flight = self.peak_in_flight = 0
 
     async def generate(self, request):
@@ -56,10 +59,17 @@ class StandInEngine:
         self.generate_calls += 1
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        if self._held is None:
+            self._held = asyncio.Event()
+        if self.hold_until is not None and self.in_flight >= self.hold_until:
+            self._held.set()
         try:
             if self.generate_s is None:
                 await asyncio.Event().wait()  # until the client gives up on it
             await asyncio.sleep(self.generate_s)
+            if self.hold_until is not None:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._held.wait(), timeout=60)
             return web.json_response(_completion())
         finally:
             self.in_flight -= 1
@@ -118,13 +128,13 @@ def _manager(clients) -> RolloutManager:
 def test_big_validation_slow_engine_is_never_declared_dead_and_a_hung_one_is_taken_out():
     """1000 validation requests through run_anywhere, alternating between a slow engine (every
     request takes 4 s, longer than the 3 s no-progress window, so its first answer comes only
-    after 4 s) and a hung one (never answers; /health_generate fails). The driver's periodic
+    after 4 s, and none comes before it holds all 1000) and a hung one (never answers; /health_generate fails). The driver's periodic
     check (`check_liveness`, every 0.1 s here) takes the hung engine out once the window has
     passed, its 500 requests go to the slow engine, which then holds all 1000 at once, and
     every request completes there. The slow engine is probed (its requests alone show no
     progress for 4 s) and never taken out."""
     window_s, generate_s, num_requests = 3.0, 4.0, 1000
-    slow = StandInEngine(generate_s=generate_s, stepping=True)
+    slow = StandInEngine(generate_s=generate_s, stepping=True, hold_until=num_requests)
     hung = StandInEngine(generate_s=None, stepping=False)
 
     async def scenario(slow_url, hung_url):
@@ -147,7 +157,7 @@ def test_big_validation_slow_engine_is_never_declared_dead_and_a_hung_one_is_tak
         watcher = asyncio.create_task(driver_health_check())
         try:
             answered = await asyncio.wait_for(asyncio.gather(
-                *(manager.run_anywhere(i, request) for i in range(num_requests))), timeout=120)
+                *(manager.run_anywhere(i, request) for i in range(num_requests))), timeout=900)
         finally:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)

@@ -49,6 +49,20 @@ def test_server_args_map_our_config_and_fp32_head_is_on_by_default(tmp_path):
         SGLangServerSettings(model_path=str(tmp_path / "missing"))
 
 
+def test_the_api_key_is_never_shown_and_a_bad_one_is_named(tmp_path):
+    from megatron_rl.cluster import GeneratorEndpoint
+
+    key = "k3y-Of-this-run_only"
+    settings = SGLangServerSettings(model_path=str(tmp_path), api_key=key)
+    assert key not in repr(settings) and key not in " ".join(settings.server_args(port=1))
+    endpoint = GeneratorEndpoint(name="g", url=URL, num_ranks=1, node_id="n", node_ip="ip",
+                                 pid=1, started_at=0.0, log_path="log", api_key=key)
+    assert key not in repr(endpoint) and key not in endpoint.describe()
+    for bad in ("", "two words", "line\nbreak"):
+        with pytest.raises(ValueError, match="api_key: a non-empty string without spaces"):
+            SGLangServerSettings(model_path=str(tmp_path), api_key=bad)
+
+
 def test_generation_result_from_sglang_payload():
     out = {"output_ids": [7, 8, 9], "meta_info": {
         "finish_reason": {"type": "length", "length": 3},

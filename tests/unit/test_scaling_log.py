@@ -159,3 +159,15 @@ def test_readers_reject_bad_logs_with_the_location(tmp_path):
         read_scaling_log(tmp_path / "empty_run")
     with pytest.raises(ValueError, match="unsupported log"):
         read_scaling_log(bad_rate.rename(tmp_path / "rate.txt"))
+
+
+def test_has_step_tells_a_resumed_run_whether_its_step_was_validated(tmp_path):
+    """A stop between a step's checkpoint and its validation: the resumed run validates the
+    step it resumes at only when the log lacks it (megatron_rl/train.py)."""
+    log = ScalingLog(tmp_path)
+    assert not log.has_step(0)  # no log yet
+    log.append(0, 0.0, {"all": 0.25})
+    log.append(2, 0.5, {"all": 0.5, "rg/chain_sum": 0.5})
+    resumed = ScalingLog(tmp_path)
+    assert resumed.has_step(0) and resumed.has_step(2)
+    assert not resumed.has_step(1) and not resumed.has_step(3)

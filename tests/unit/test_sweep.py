@@ -1,0 +1,296 @@
+"""`megatron-rl sweep` without training: the sweep file and its one-line errors, the plan (every
+run's RunConfig up front), where a run stands from its own artefacts, the ranking rules on
+hand-computed values, and the report checked against `megatron-rl fit` on the same logs. The
+runs themselves are in tests/e2e/test_sweep.py."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_rl.cli import main as megatron_rl_main
+from megatron_rl.resilience import checkpoint as run_checkpoint
+from megatron_rl.scaling.cli import main as fit_main
+from megatron_rl.scaling.log import ScalingLog
+from megatron_rl.scaling.series import ScalingSeries
+from megatron_rl.scaling.sigmoid import SigmoidFitConfig, fit_sigmoid
+from megatron_rl.scaling.sweep import (RunState, SweepError, load_sweep, logged_compute,
+                                       plan_runs, run_state)
+from megatron_rl.scaling.sweep_report import (RunResult, VariantResult, a_tolerance,
+                                              rank_variants, report_sweep, variant_result)
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+BASE = "examples/configs/tiny_pipeline.yaml"
+FAST = SigmoidFitConfig(num_bootstrap=20, warmup_compute=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # paths in a sweep file are relative to the current directory
+
+
+def _sweep_file(tmp_path, text: str) -> Path:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return path
+
+
+def _good(tmp_path, **fields) -> str:
+    lines = {"name": "t", "base": BASE, "output_dir": str(tmp_path / "out"),
+             "overrides": "[data.split_seed=7]",
+             "variants": "{cispo: [algorithm.loss=cispo], dapo: [algorithm.loss=dapo]}",
+             "seeds": "[1, 2]", "budget": "{steps: 3}"}
+    lines.update(fields)
+    return "".join(f"{k}: {v}\n" for k, v in lines.items() if v is not None)
+
+
+def test_the_demo_sweep_plans_six_ordinary_runs():
+    spec = load_sweep("examples/sweeps/demo_loss.yaml")
+    runs = plan_runs(spec)
+    assert [r.label for r in runs] == [f"{v}/seed{s}" for v in ("cispo", "dapo")
+                                       for s in (1, 2, 3)]
+    for run in runs:
+        cfg = run.config
+        assert run.output_dir == Path("runs/sweep_demo_loss") / run.variant / f"seed{run.seed}"
+        assert Path(cfg.output_dir) == run.output_dir and cfg.seed == run.seed
+        assert cfg.algorithm.loss == run.variant and cfg.train.num_steps == 30
+        assert cfg.data.split_seed == 1234  # the sweep's overrides reach every run
+        assert cfg.checkpoint_dir == str(run.output_dir / "checkpoints")
+        assert cfg.rollout.thinking_budget == 26  # and the rest is the demo recipe's
+    assert runs[0].overrides == ("data.split_seed=1234", "algorithm.loss=cispo", "seed=1",
+                                 'output_dir="runs/sweep_demo_loss/cispo/seed1"',
+                                 "train.num_steps=30")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"varients": "{a: []}"}, "unknown field 'varients'; did you mean 'variants'?"),
+    ({"seeds": None}, "seeds: missing"),
+    ({"base": "examples/configs/nope.yaml"}, "base: recipe 'examples/configs/nope.yaml' does "
+                                             "not exist"),
+    ({"variants": "{a/b: []}"}, "variants: name 'a/b' must be"),
+    ({"variants": "[cispo, dapo]"}, "variants: expected a mapping"),
+    ({"variants": "{a: algorithm.loss=dapo}"}, "variants.a: expected a list"),
+    ({"seeds": "[1, 1]"}, "seeds: [1, 1] repeats a seed"),
+    ({"seeds": "[-1]"}, "seeds: expected a non-empty list of non-negative integers"),
+    ({"budget": "{steps: 3, compute_gpu_hours: 2}"}, "budget: expected exactly one of"),
+    ({"budget": "{steps: 0}"}, "budget.steps: expected an integer >= 1, got 0"),
+    ({"budget": "{compute_gpu_hours: lots}"}, "budget.compute_gpu_hours: expected a number > 0"),
+    ({"overrides": "data.split_seed=7"}, "overrides: expected a list"),
+    ({"variants": "{a: [seed=3]}"}, "variants.a: 'seed=3' sets seed, which the sweep sets"),
+    ({"overrides": "[train.num_steps=9]"}, "overrides: 'train.num_steps=9' sets "
+                                           "train.num_steps, which the sweep sets for every run "
+                                           "from budget.steps"),
+    # The run config's own validation, naming the list the override came from:
+    ({"variants": "{a: [algorithm.loss=ppo]}"}, "variants.a: algorithm.loss: expected one of"),
+    ({"variants": "{a: [algorithm.los=dapo]}"},
+     "variants.a: algorithm.los: unknown field; did you mean 'algorithm.loss'?"),
+    ({"overrides": "[train.global_batch_size=6]"}, "overrides: train.global_batch_size: 6 is "
+                                                   "not a multiple"),
+    ({"overrides": "[checkpoint.dir=/tmp/shared]"}, "checkpoint.dir is '/tmp/shared', so every "
+                                                    "run of the sweep would share it"),
+    ({"variants": "{a: [], b: [eval.warmup_compute_gpu_hours=5]}"},
+     "eval.warmup_compute_gpu_hours differs between variants (a: 0, b: 5)"),
+])
+def test_a_broken_sweep_file_is_one_line_naming_the_field(tmp_path, fields, message):
+    path = _sweep_file(tmp_path, _good(tmp_path, **fields))
+    with pytest.raises(SweepError) as err:
+        plan_runs(load_sweep(path))
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_command_exits_2_with_one_line_and_refuses_an_existing_sweep_without_resume(
+        tmp_path, capsys):
+    broken = _sweep_file(tmp_path, _good(tmp_path, budget="{steps: -2}"))
+    assert megatron_rl_main(["sweep", str(broken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron-rl sweep: error: ") and "budget.steps" in err
+    assert "\n" not in err
+    good = _sweep_file(tmp_path, _good(tmp_path))
+    (tmp_path / "out" / "dapo" / "seed2").mkdir(parents=True)
+    assert megatron_rl_main(["sweep", str(good)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds runs of a sweep (dapo/seed2); continue it with --resume" in err
+    assert "\n" not in err
+
+
+def _commit(root: Path, step: int, scaling: str = "") -> None:
+    """A committed run checkpoint of `step` through the run's own commit (manifest + rename)."""
+    staging = run_checkpoint.partial_path(root, step)
+    staging.mkdir(parents=True)
+    (staging / "scaling.jsonl").write_text(scaling)
+    run_checkpoint.commit(staging, run_checkpoint.checkpoint_path(root, step), step=step)
+
+
+def test_where_a_run_stands_comes_from_its_own_checkpoints(tmp_path):
+    spec = load_sweep(_sweep_file(tmp_path, _good(tmp_path)))
+    run = plan_runs(spec)[0]  # train.num_steps = 3
+    root = Path(run.config.checkpoint_dir)
+    assert run_state(run, spec) == (RunState.FRESH, None)
+    run.output_dir.mkdir(parents=True)
+    (run.output_dir / "train.log").write_text("a run that died while reading its data\n")
+    assert run_state(run, spec) == (RunState.FRESH, None)  # nothing of the run's own
+    ScalingLog(run.output_dir).append(0, 0.0, {"all": 0.1})
+    assert run_state(run, spec) == (RunState.RESTART, None)  # started, nothing to resume
+    _commit(root, 2)
+    run_checkpoint.partial_path(root, 3).mkdir()  # a save that did not finish
+    assert run_state(run, spec) == (RunState.RESUME, 2)
+    shutil.rmtree(run_checkpoint.partial_path(root, 3))
+    _commit(root, 3)
+    assert run_state(run, spec) == (RunState.FINISHED, 3)
+
+
+def test_a_compute_budget_is_reached_by_the_checkpoints_scaling_log(tmp_path):
+    spec = load_sweep(_sweep_file(tmp_path, _good(tmp_path, budget="{compute_gpu_hours: 2e-3}")))
+    assert spec.budget_compute_gpu_hours == 0.002 and spec.budget_steps is None
+    run = plan_runs(spec)[0]
+    assert run.config.train.num_steps == 4  # the recipe's, a cap
+    root = Path(run.config.checkpoint_dir)
+    lines = [json.dumps({"step": s, "compute_gpu_hours": c, "pass_rate": 0.0, "task": "all"})
+             for s, c in ((0, 0.0), (1, 0.0011), (2, 0.0019))]
+    _commit(root, 2, "\n".join(lines) + "\n")
+    assert run_state(run, spec) == (RunState.RESUME, 2)
+    torn = lines + [json.dumps({"step": 3, "compute_gpu_hours": 0.0024, "pass_rate": 0.0,
+                                "task": "all"}), '{"step": 4, "compu']
+    _commit(root, 3, "\n".join(torn))
+    assert logged_compute(root / "step_000003" / "scaling.jsonl") == 0.0024
+    assert run_state(run, spec) == (RunState.FINISHED, 3)
+
+
+def test_the_a_tolerance_is_the_larger_of_0_02_and_the_seed_spreads():
+    assert a_tolerance(None, None) == 0.02  # one seed each: nothing measured
+    assert a_tolerance(0.005, None) == 0.02
+    assert a_tolerance(0.01, 0.03) == 0.03
+    assert a_tolerance(0.01, 0.03, floor=0.05) == 0.05
+
+
+def _curve(a, b, c_mid=1.0, r0=0.2, noise_seed=0):
+    compute = np.geomspace(0.05, 20.0, 30)
+    rng = np.random.default_rng(noise_seed)
+    rate = r0 + (a - r0) / (1.0 + (c_mid / compute) ** b) + rng.normal(0.0, 0.002, compute.size)
+    return ScalingSeries(run="r", task="all", compute_gpu_hours=np.r_[0.0, compute],
+                         pass_rate=np.clip(np.r_[r0, rate], 0.0, 1.0),
+                         step=np.arange(compute.size + 1))
+
+
+def _variant(name, curves):
+    runs = [RunResult(variant=name, seed=i, output_dir=Path(name), log=Path(name) / "train.log",
+                      failed=False, exit_code=None, wall_seconds=None, series=s,
+                      fit=fit_sigmoid(s.compute_gpu_hours, s.pass_rate, r0=s.r0, config=FAST))
+            for i, s in enumerate(curves)]
+    return variant_result(name, (), runs, FAST)
+
+
+def test_the_seed_spread_is_the_sample_std_of_the_per_seed_a():
+    fits = [0.60, 0.62, 0.64]  # mean 0.62; sum of squares 0.0008 / (3 - 1) -> std 0.02
+    variant = _variant("v", [_curve(a, 1.5, noise_seed=i) for i, a in enumerate(fits)])
+    per_seed = [r.fit.a for r in variant.runs]
+    assert np.allclose(per_seed, fits, atol=0.006)  # the fits find the curves' A
+    mean = sum(per_seed) / 3
+    assert variant.seed_spread == pytest.approx(
+        (sum((a - mean) ** 2 for a in per_seed) / 2) ** 0.5, rel=1e-12)
+    assert _variant("one", [_curve(0.6, 1.5)]).seed_spread is None
+
+
+def test_ranking_a_first_then_b_within_the_tolerance_then_indistinguishable():
+    # |dA| = 0.10 >= 0.02: the higher A ranks first, whatever B says.
+    high, low = _variant("high", [_curve(0.70, 1.0)]), _variant("low", [_curve(0.60, 3.0)])
+    ranking = rank_variants([low, high], FAST)
+    assert [(p.rank, p.variant) for p in ranking] == [(1, "high"), (2, "low")]
+    assert ranking[1].tolerance == 0.02 and "|dA| 0.100 >= max(0.02" in ranking[1].verdict
+    # |dA| = 0.01 < 0.02: equal A; B (refitted with A fixed at the mean) decides: 3.0 beats 1.0,
+    # so the variant with the lower A ranks first.
+    slow, fast = _variant("slow", [_curve(0.61, 1.0)]), _variant("fast", [_curve(0.60, 3.0)])
+    ranking = rank_variants([slow, fast], FAST)
+    assert [(p.rank, p.variant) for p in ranking] == [(1, "fast"), (2, "slow")]
+    assert "less compute-efficient" in ranking[1].verdict
+    # |dA| = 0.025 is above 0.02 but within a seed spread of ~0.1, and B (A fixed at the mean)
+    # ties within the bootstrap intervals of the noisy pooled curve: one rank.
+    noisy = _variant("noisy", [_curve(0.55, 1.5, noise_seed=1), _curve(0.70, 1.5, noise_seed=2)])
+    steady = _variant("steady", [_curve(0.60, 1.5, noise_seed=3)])
+    assert noisy.seed_spread == pytest.approx(0.106, abs=0.01)
+    assert abs(noisy.pooled.a - steady.pooled.a) == pytest.approx(0.025, abs=0.003)
+    ranking = rank_variants([noisy, steady], FAST)
+    assert [p.rank for p in ranking] == [1, 1]
+    assert ranking[1].tolerance == pytest.approx(noisy.seed_spread)
+    assert ranking[1].verdict.startswith(f"indistinguishable from {ranking[0].variant}")
+
+
+def _log(run_dir: Path, a: float, b: float, seed: int) -> None:
+    log = ScalingLog(run_dir)
+    curve = _curve(a, b, noise_seed=seed)
+    for step, compute, rate in zip(curve.step, curve.compute_gpu_hours, curve.pass_rate):
+        log.append(int(step), float(compute), {"all": float(rate)})
+
+
+def test_the_report_matches_megatron_rl_fit_on_the_same_logs(tmp_path, capsys):
+    spec = load_sweep(_sweep_file(tmp_path, _good(tmp_path)))
+    runs = plan_runs(spec)
+    for run, (a, b) in zip(runs, ((0.62, 1.5), (0.66, 1.2), (0.50, 1.5), (0.52, 2.0))):
+        if run.label != "dapo/seed2":  # this one failed before validating
+            _log(run.output_dir, a, b, run.seed)
+    returned = report_sweep(spec, runs, failed={"dapo/seed2": 1},
+                            wall_seconds={"cispo/seed1": 61.0}, plots=False, config=FAST)
+    printed = capsys.readouterr().out
+    content = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert content == json.loads(json.dumps(returned))
+    done = [r.output_dir for r in runs if r.label != "dapo/seed2"]
+    out_json = tmp_path / "fit.json"
+    assert fit_main([*map(str, done), "--num-bootstrap", "20", "--fit-fraction", "0.5",
+                     "--no-plots", "--json", str(out_json)]) == 0
+    reference = json.loads(out_json.read_text())
+    swept = [r for v in content["variants"] for r in v["runs"] if r["fit"] is not None]
+    assert [r["run"] for r in swept] == ["cispo/seed1", "cispo/seed2", "dapo/seed1"]
+    for ours, theirs in zip(swept, reference):
+        assert ours["fit"] == theirs["fit"]
+        half = theirs["extrapolation"]
+        assert ours["first_half"] == {
+            "fit_budget_gpu_hours": half["fit_budget_gpu_hours"],
+            "points_fitted": half["fit"]["num_points"], "a": half["fit"]["a"],
+            "predicted": half["predicted"], "observed": half["observed"],
+            "error": half["error"]}
+    cispo, dapo = content["variants"]
+    assert cispo["a_seed_spread"] == pytest.approx(
+        np.std([r["fit"]["a"] for r in cispo["runs"]], ddof=1), rel=1e-12)
+    assert cispo["first_half_error_mean"] == pytest.approx(
+        np.mean([r["first_half"]["error"] for r in cispo["runs"]]), rel=1e-12)
+    # One fitted dapo seed: its pooled fit is that seed's fit (R0 the same step-0 point).
+    assert dapo["pooled"] == dapo["runs"][0]["fit"] and dapo["a_seed_spread"] is None
+    assert cispo["pooled"]["num_points"] == 60  # both seeds' points past C = 0
+    assert [p["variant"] for p in content["ranking"]] == ["cispo", "dapo"]
+    assert content["failed"] == [{"run": "dapo/seed2", "exit_code": 1,
+                                  "log": str(tmp_path / "out" / "dapo" / "seed2" / "train.log")}]
+    dapo_2 = dapo["runs"][1]
+    assert dapo_2["status"] == "failed" and "no such run directory" in dapo_2["problem"]
+    assert f"FAILED: dapo/seed2 (exit status 1); log: {runs[3].log}" in printed
+    assert cispo["runs"][0]["wall_seconds"] == 61.0 and "1m01s" in printed
+
+
+def test_a_killed_sweep_takes_its_run_down_gracefully(tmp_path):
+    """The run's process gets SIGTERM (its graceful stop) when the sweep dies, even by SIGKILL."""
+    ready, stopped = tmp_path / "ready", tmp_path / "got_sigterm"
+    run = (f"import signal, sys, time\n"
+           f"signal.signal(signal.SIGTERM, lambda *a: (open({str(stopped)!r}, 'w').close(), "
+           f"sys.exit(0)))\nopen({str(ready)!r}, 'w').close()\ntime.sleep(60)\n")
+    sweep_side = ("import subprocess, sys, time\n"
+                  "from megatron_rl.scaling.sweep import _stop_with_the_sweep\n"
+                  f"subprocess.Popen([sys.executable, '-c', {run!r}], "
+                  "preexec_fn=_stop_with_the_sweep, start_new_session=True)\ntime.sleep(60)\n")
+    sweep = subprocess.Popen([sys.executable, "-c", sweep_side],
+                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists()
+    sweep.send_signal(signal.SIGKILL)
+    sweep.wait()
+    while not stopped.exists() and time.monotonic() < deadline + 10:
+        time.sleep(0.05)
+    assert stopped.exists()
