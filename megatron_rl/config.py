@@ -450,6 +450,12 @@ class RolloutConfig:
         True, "SGLang --disable-overlap-schedule: with the overlap schedule the token in flight "
         "when an update pauses generation is labelled with the new version though the old "
         "weights produced it; off only for generation without in-flight updates")
+    continuations_first: bool = _field(
+        True, "a request that continues a completion (its answer after the thinking, a "
+        "resubmission after an abort) goes before the fresh requests waiting at the engine "
+        "(SGLang priority scheduling, no preemption); false = first come first served, where a "
+        "saturated engine makes a completion wait behind every thinking request queued before "
+        "its answer")
     deterministic: bool = _field(
         False, "one request at a time per generator and no prefix cache, so that a completion "
         "depends only on its prompt, seed and weights (bit-identical reruns and resumes; "
@@ -816,6 +822,10 @@ class ClusterConfig:
     num_cpus: int | None = _field(None, "local cluster: the CPUs Ray offers (each CPU trainer "
                                   "rank and generator takes one; more than the machine has "
                                   "oversubscribes it); null = the machine's count", ge=1)
+    placement_timeout_s: float = _field(
+        300.0, "longest wait for Ray to reserve the run's placement group (its trainer and "
+        "generator bundles) at start; on a shared cluster, or with a sweep's parallel runs "
+        "queued behind each other, raise it to the time a run may wait for room", gt=0)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -835,6 +845,10 @@ class LoggingConfig:
                                          "<output_dir>/tensorboard")
     log_interval: int = _field(1, "log metrics every this many optimizer steps", ge=1)
     progress_bar: bool = _field(True, "show a progress bar on the driver")
+    rollout_samples: bool = _field(
+        False, "write the shape of every trained completion to "
+        "<output_dir>/rollout_samples/step_<N>.jsonl: lengths, the drawn thinking budget, "
+        "interruption, the policy versions of its tokens (runs), reward; no text")
 
     def __post_init__(self) -> None:
         _check_fields(self)

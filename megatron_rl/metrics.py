@@ -21,6 +21,43 @@ from pathlib import Path
 from megatron_rl.config import RunConfig
 
 
+def version_runs(versions: Sequence[int]) -> list[list[int]]:
+    """[[version, count], ...]: the policy versions of a completion's sampled tokens in order,
+    run-length encoded (a completion that spans an in-flight update has several runs)."""
+    runs: list[list[int]] = []
+    for version in versions:
+        if runs and runs[-1][0] == version:
+            runs[-1][1] += 1
+        else:
+            runs.append([version, 1])
+    return runs
+
+
+def write_rollout_samples(path: Path, step: int, groups: Sequence, rewards) -> None:
+    """One JSON line per completion the step trained on (logging.rollout_samples): its group,
+    prompt, lengths, drawn thinking budget, interruption and finish reason, the versions of its
+    sampled tokens (version_runs) and reward. Written whole, then renamed."""
+    import json
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for group, row in zip(groups, rewards.tolist()):
+            for sample, reward in zip(group.samples, row):
+                f.write(json.dumps({
+                    "step": step, "group_id": group.group_id, "prompt_index": group.prompt_index,
+                    "sample_index": sample.sample_index,
+                    "prompt_tokens": len(sample.prompt_token_ids),
+                    "completion_tokens": len(sample.token_ids),
+                    "loss_tokens": sample.num_loss_tokens,
+                    "thinking_budget": sample.thinking_budget, "interrupted": sample.interrupted,
+                    "finish_reason": sample.finish_reason,
+                    "versions": version_runs(sample.sampled_versions),
+                    "reward": None if math.isnan(reward) else reward}) + "\n")
+    os.replace(tmp, path)
+
+
 class RunMetrics:
     """`clients` is the run's list of HTTP clients, one per engine (their activity counters)."""
 
@@ -124,6 +161,7 @@ class RunMetrics:
                 "train/logp_mismatch_mean": step.logp_mismatch,
                 "train/logp_mismatch_max": step.logp_mismatch_max,
                 "train/learning_rate": step.learning_rate, "train/skipped": float(step.skipped),
+                "train/micro_batches": float(step.num_micro_batches),
                 "train/routing_flip_fraction": step.routing_flip_fraction,
                 "train/logp_mismatch_without_replay": step.logp_mismatch_without_replay,
                 "perf/train_seconds": seconds,

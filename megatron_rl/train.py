@@ -91,6 +91,7 @@ def one_step(run, cfg: RunConfig, *, step: int) -> dict[str, float]:
     from megatron_rl.algorithms import compute_advantages, group_keep_mask
     from megatron_rl.resilience import faults
     from megatron_rl.algorithms import length_penalties
+    from megatron_rl.metrics import write_rollout_samples
     from megatron_rl.trainer.batch import TrainBatch
 
     started = time.perf_counter()
@@ -102,6 +103,9 @@ def one_step(run, cfg: RunConfig, *, step: int) -> dict[str, float]:
             rewards = rewards + length_penalties(groups, cfg.algorithm).view_as(rewards)
         keep = group_keep_mask(rewards, zero_variance_filter=cfg.algorithm.zero_variance_filter)
         metrics = run.rollout_metrics(groups, rewards, keep)
+        if cfg.logging.rollout_samples:
+            write_rollout_samples(run.out / "rollout_samples" / f"step_{step:06d}.jsonl", step,
+                                  groups, rewards)
         if keep.any():
             advantages = compute_advantages(rewards, cfg.algorithm.advantage_normalization,
                                             keep=keep)

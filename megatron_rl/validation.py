@@ -203,8 +203,10 @@ class HeldoutValidation:
             # curve's points differ by the policy, not by the sampling noise. So a sample whose
             # generator fails midway is generated again, the same, on another.
             def request(client):
-                generate_one = bind_generate(client, params.for_sample("eval", index, sample),
-                                             extra_key=self.manager.prefix_cache_key(version))
+                generate_one = bind_generate(
+                    client, params.for_sample("eval", index, sample),
+                    extra_key=self.manager.prefix_cache_key(version),
+                    continuation_priority=self.interruption.continuation_priority)
                 return generate_completion(
                     generate_one, prompt, settings=self.interruption,
                     rng=random.Random(f"eval/{index}/{sample}"), group_id=index,

@@ -83,7 +83,7 @@ _FAMILIES: dict[str, ModelFamily] = {
     for family in (
         ModelFamily(
             name="llama",
-            sizes=("tiny", "llama3_8b"),
+            sizes=("tiny", "tiny_long", "llama3_8b"),
             hf_architectures=("LlamaForCausalLM",),
             module="models.llama",
         ),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite in five streams at once: e2e in two (whole `megatron-rl train`
 # runs), integration (SGLang servers, Ray, sandboxes), unit + dist (+ a few integration files), and
-# the GPU image's dependency resolution (network-bound) with the sweep's e2e.
+# the GPU image's dependency resolution (network-bound) with the sweep's and the long-generation
+# e2e.
 # The e2e and integration tests spend much of their time waiting on process start-up and on their
 # own subprocesses, leaving cores idle; one after the other the suite took 22 minutes on 2 cores.
 # Each stream's output is printed when all are done, in this order; the exit status is non-zero
@@ -23,15 +24,17 @@ colocated=tests/e2e/test_train_colocated.py
 # wait, so a stream of its own adds little CPU and no wall time to the others.
 image=tests/integration/test_gpu_image.py
 # The whole-run tests in two streams (the node-loss run and the demo apart from the resume and
-# chaos runs); the sweep's (three tiny runs) beside the image's network wait.
+# chaos runs); the sweep's (three tiny runs) and the 16k-token run (four completions of 16.4k
+# tokens, one request at a time: ~4 minutes of one core) beside the image's network wait.
 node_loss=tests/e2e/test_fault_tolerance.py::test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_resume
 demo=tests/e2e/test_demo.py
 sweep=tests/e2e/test_sweep.py
-streams=("tests/e2e --ignore=$colocated --ignore=$demo --ignore=$sweep --deselect=$node_loss"
+long_generation=tests/e2e/test_long_generation.py
+streams=("tests/e2e --ignore=$colocated --ignore=$demo --ignore=$sweep --ignore=$long_generation --deselect=$node_loss"
          "$node_loss $demo"
          "tests/integration ${tp_ep[*]/#/--ignore=} --ignore=$tp_ep2_moe --ignore=$lifetime --ignore=$image"
          "tests/unit tests/dist ${tp_ep[*]} $colocated"
-         "$image $sweep $tp_ep2_moe $lifetime")
+         "$image $sweep $long_generation $tp_ep2_moe $lifetime")
 pids=()
 for i in "${!streams[@]}"; do
     # -p no:cacheprovider: the streams would all write .pytest_cache.

@@ -29,6 +29,31 @@ from megatron_rl.cluster.remote import actor_class, gather, kill_actors
 from megatron_rl.rollout import GeneratorDeadError, GeneratorError, SGLangServerSettings
 
 
+def _abandon_if_stopping(what: str) -> None:
+    from megatron_rl.resilience.stop import RUN_STOP
+
+    RUN_STOP.abandon_if_requested(what)
+
+
+def _stoppable_get(ref, timeout_s: float, what: str):
+    """ray.get(ref, timeout=timeout_s) in slices of resilience/stop.py's WAIT_SLICE_S: a stop
+    request (SIGTERM) abandons it at once (StopRequested). Restarting an engine is a wait for
+    generation capacity, which a stopping run no longer needs; the half-started actor is killed
+    with the pool."""
+    import ray
+
+    from megatron_rl.resilience.stop import WAIT_SLICE_S
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _abandon_if_stopping(what)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ray.exceptions.GetTimeoutError(f"{what}: no answer within {timeout_s:.0f} s")
+        if ray.wait([ref], timeout=min(remaining, WAIT_SLICE_S))[0]:
+            return ray.get(ref, timeout=WAIT_SLICE_S)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class GeneratorEndpoint:
     """Where one generator listens, and the process that serves it."""
@@ -285,7 +310,8 @@ class GeneratorPool:
 
         old, self._endpoints[index] = self._endpoints[index], None
         try:
-            ray.get(self.actors[index].restart.remote(), timeout=self.call_timeout_s)
+            _stoppable_get(self.actors[index].restart.remote(), self.call_timeout_s,
+                           f"restarting {self._label(index, old)}")
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
             self._drop_actor(index, old)  # dead, or hung (its worker stopped)
             lost = self._bundle_node_lost(index)
@@ -295,6 +321,7 @@ class GeneratorPool:
             launched = self.actors[index].launch.remote()
             deadline = time.monotonic() + self.start_timeout_s
             while not ray.wait([launched], timeout=1.0)[0]:  # placed and started?
+                _abandon_if_stopping(f"restarting {self._label(index, old)}")
                 lost = self._bundle_node_lost(index)  # the node went meanwhile: fail fast
                 if lost or time.monotonic() > deadline:
                     self._drop_actor(index, None)
@@ -421,8 +448,9 @@ class GeneratorPool:
         import ray
 
         try:
-            return ray.get(self.actors[index].wait_until_healthy.remote(),
-                           timeout=self.start_timeout_s + self.call_timeout_s)
+            return _stoppable_get(self.actors[index].wait_until_healthy.remote(),
+                                  self.start_timeout_s + self.call_timeout_s,
+                                  f"waiting for {self._label(index)} to start")
         except ray.exceptions.GetTimeoutError:  # the actor's own start-up wait did not end
             self._drop_actor(index, None)
             raise GeneratorError(f"{self._label(index)}: not healthy within "

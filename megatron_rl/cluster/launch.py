@@ -68,8 +68,9 @@ class RunCluster:
 
         phases = _Phases()
         with phases("Ray"):
-            ray = RayCluster.start(ClusterSettings(address=cfg.cluster.address,
-                                                   num_cpus=cfg.cluster.num_cpus))
+            ray = RayCluster.start(ClusterSettings(
+                address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus,
+                placement_timeout_s=cfg.cluster.placement_timeout_s))
         stack.callback(ray.shutdown)
         layout = ClusterLayout.from_run_config(cfg, colocated=cfg.cluster.colocated)
         gpu_colocated = layout.colocated and layout.device == "gpu"

@@ -206,6 +206,7 @@ def reserve_placement_group(layout: ClusterLayout, *, timeout_s: float, name: st
             f"Ray could not reserve the placement group within {timeout_s:.0f} s: it needs "
             f"bundles {layout.bundles()} ({layout.strategy}); the cluster has "
             f"{ {k: v for k, v in sorted(available.items()) if k in _SHOWN_RESOURCES} } free. "
-            "Give the cluster more CPUs / GPUs (ClusterSettings.num_cpus / num_gpus for a local "
-            "one) or fewer / smaller actors (ClusterLayout)")
+            "Give the cluster more CPUs / GPUs (cluster.num_cpus for a local one), fewer / "
+            "smaller actors, or, when other runs hold the room, a longer "
+            "cluster.placement_timeout_s")
     return group

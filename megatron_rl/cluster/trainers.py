@@ -202,8 +202,11 @@ class TrainerWorker:
         from megatron_rl.resilience.rank_monitor import RankMonitor
 
         train = self.run_config.train
+        timeouts = TrainerTimeouts.from_run_config(self.run_config)
         self._monitor, why = RankMonitor.start(
-            timeout_s=train.step_timeout_s, hang_timeout_factor=train.hang_timeout_factor) \
+            timeouts_s={"train_step": timeouts.step, "weight_sync": timeouts.sync,
+                        "checkpoint": timeouts.checkpoint},
+            hang_timeout_factor=train.hang_timeout_factor) \
             if train.rank_monitor else (None, "off (train.rank_monitor=false)")
         self._monitor_status = why or "on"
 

@@ -7,7 +7,9 @@ in a collective whose peer died, or a deadlock): the monitor sends it SIGCONT th
 rank's Ray actor then dies, and the driver restores the trainer group from the last checkpoint
 (RunSetup.recover_trainers) at once, without waiting for its own `train.step_timeout_s`.
 
-Timeouts: every section starts at `train.step_timeout_s`. With `train.hang_timeout_factor` set,
+Timeouts: each section has the timeout of its kind of trainer call (`train.step_timeout_s`,
+`weight_sync.sync_timeout_s`, `checkpoint.timeout_s`: the driver's own waits for the same calls,
+TrainerTimeouts). With `train.hang_timeout_factor` set,
 the "train_step" timeout is recalibrated after `CALIBRATE_AFTER` steps to that factor times the
 longest step seen (nvrx's TimeoutsCalc, synchronised over the ranks: a collective, so every rank
 calls it at the same step), so that a hang is caught after a few step lengths instead of an hour.
@@ -55,9 +57,13 @@ class RankMonitor:
         self.calibrated_timeout_s: float | None = None
 
     @classmethod
-    def start(cls, *, timeout_s: float,
+    def start(cls, *, timeouts_s: dict[str, float],
               hang_timeout_factor: float | None = None) -> tuple[RankMonitor | None, str]:
-        """(the monitor, "") for this rank (after torch.distributed is up), or (None, why not)."""
+        """(the monitor, "") for this rank (after torch.distributed is up), or (None, why not).
+        `timeouts_s`: section name -> its timeout, for every name in SECTIONS."""
+        if sorted(timeouts_s) != sorted(SECTIONS):
+            raise ValueError(f"rank monitor timeouts for {sorted(timeouts_s)}; expected one for "
+                             f"each of {SECTIONS}")
         try:
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
             from nvidia_resiliency_ext.fault_tolerance.data import (
@@ -71,7 +77,7 @@ class RankMonitor:
         socket_dir = tempfile.mkdtemp(prefix=f"{_SOCKET_DIR_PREFIX}{os.getpid()}_")
         socket_path = os.path.join(socket_dir, "rmon.socket")
         os.environ[FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR] = socket_path
-        timeouts = {"rank_section_timeouts": {name: timeout_s for name in SECTIONS},
+        timeouts = {"rank_section_timeouts": dict(timeouts_s),
                     "safety_factor": hang_timeout_factor or 5.0}
         # A plain subprocess, not multiprocessing: spawn and forkserver re-import the caller's
         # __main__ (a Ray worker's, or a script's), and a fork would copy the rank's threads.

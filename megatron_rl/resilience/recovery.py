@@ -106,12 +106,15 @@ class GeneratorHealth:
         future = self.loop.submit(coroutine)
         try:
             while True:
+                # Checked at least once per wait, also by one that ends at once (the pipeline
+                # runs ahead of the trainer): else a re-created engine is never taken back and
+                # the timed health checks never run while the trainer is the bottleneck.
+                self.check()
                 try:
                     return future.result(timeout=WAIT_SLICE_S)
                 except TimeoutError:
                     RUN_STOP.abandon_if_requested(what)
                     self.record_reward_faults()
-                    self.check()
         except BaseException:
             future.cancel()  # the run is stopping: nothing waits for the result
             raise

@@ -169,14 +169,18 @@ class AsyncSGLangClient:
         return self._session
 
     async def generate_one(self, input_ids: Sequence[int], max_new_tokens: int,
-                           params: SamplingParams, *,
-                           extra_key: str | None = None) -> GenerationResult:
+                           params: SamplingParams, *, extra_key: str | None = None,
+                           priority: int | None = None) -> GenerationResult:
         """One completion of `input_ids` of at most `max_new_tokens` tokens, sampled with
-        `params` (its max_new_tokens and num_samples are not used; seed is)."""
+        `params` (its max_new_tokens and num_samples are not used; seed is). `priority`: SGLang's
+        request priority (higher first on a server with priority scheduling; ignored by one
+        without)."""
         sampling = params.to_sglang()
         sampling["max_new_tokens"] = int(max_new_tokens)
         payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling,
                    "return_logprob": True}
+        if priority is not None:
+            payload["priority"] = int(priority)
         if self.return_routed_experts:
             payload["return_routed_experts"] = True
         if extra_key is not None:

@@ -23,7 +23,11 @@ its thinking early gets solution_budget tokens of answer, not the rest of B.
 
 Continuations send the token ids the server produced, so nothing is re-tokenized, and carry the
 same `extra_key` (the group's prefix-cache key: its admission version) so that the prefix cache
-serves their prompt.
+serves their prompt. With rollout.continuations_first they go before the fresh requests waiting at
+the engine (SGLang priority scheduling): SGLang serves its queue first come first served, and a
+saturated engine (thousands of requests in flight) would make a completion that has thought to
+its budget wait behind every thinking request queued meanwhile before it writes its answer, so
+its group, and the step that needs it, would wait for all of them.
 
 A request that comes back aborted (`weight_sync.pause_mode: abort` ends running requests for a
 weight update) is resubmitted from prompt + everything generated so far, for what is left of its
@@ -44,20 +48,31 @@ from megatron_rl.algorithms.length_control import sample_thinking_budget
 from megatron_rl.rollout.samples import RolloutSample, Segment, assemble_sample, truncate_segments
 from megatron_rl.rollout.types import GenerationResult, GeneratorError, SamplingParams
 
-# (input token ids, max new tokens, *, stop_token_ids=extra stop tokens) -> one completion of
-# them. The stop token, when matched, is the completion's last token (finish reason "stop").
+# (input token ids, max new tokens, *, stop_token_ids=extra stop tokens, continuation=True for
+# a request that continues a completion) -> one completion of them. The stop token, when
+# matched, is the completion's last token (finish reason "stop"); `continuation` is passed only
+# when true.
 GenerateOne = Callable[..., Awaitable[GenerationResult]]
 # Consecutive aborted requests that returned no token before a completion is given up.
 MAX_IDLE_ABORTS = 8
+# SGLang priority of a continuation (rollout.continuations_first): the servers run with priority
+# scheduling and default priority 0 (megatron_rl.rollout.sglang_server), higher values first.
+CONTINUATION_PRIORITY = 1
 
 
-def bind_generate(client, params: SamplingParams, *, extra_key: str | None) -> GenerateOne:
+def bind_generate(client, params: SamplingParams, *, extra_key: str | None,
+                  continuation_priority: int | None = None) -> GenerateOne:
     """The GenerateOne of one sample: `client.generate_one` (AsyncSGLangClient) with the sample's
-    sampling parameters (its own seed: SamplingParams.for_sample) and prefix-cache key."""
+    sampling parameters (its own seed: SamplingParams.for_sample) and prefix-cache key. A
+    continuation is sent with SGLang priority `continuation_priority`
+    (InterruptionSettings.continuation_priority; None: no priority is sent)."""
     def generate_one(input_ids: Sequence[int], max_new_tokens: int, *,
-                     stop_token_ids: Sequence[int] = ()):
+                     stop_token_ids: Sequence[int] = (), continuation: bool = False):
         request = params if not stop_token_ids else dataclasses.replace(
             params, stop_token_ids=params.stop_token_ids + tuple(stop_token_ids))
+        if continuation and continuation_priority is not None:
+            return client.generate_one(input_ids, max_new_tokens, request, extra_key=extra_key,
+                                       priority=continuation_priority)
         return client.generate_one(input_ids, max_new_tokens, request, extra_key=extra_key)
     return generate_one
 
@@ -77,6 +92,10 @@ class InterruptionSettings:
     # whitespace. None: the spaced phrase always (a double space at worst, never glued text).
     decode: Callable[[Sequence[int]], str] | None = dataclasses.field(default=None,
                                                                       compare=False)
+    # SGLang priority of the requests that continue a completion (its answer after the thinking,
+    # a request resubmitted after an abort): before the fresh requests waiting at the engine
+    # (rollout.continuations_first; None: no priority, first come first served).
+    continuation_priority: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.thinking_budget_min <= self.thinking_budget:
@@ -101,10 +120,11 @@ class InterruptionSettings:
         """From megatron_rl.config's RolloutConfig; `encode` is the policy tokenizer's text ->
         ids without special tokens (e.g. `lambda s: tok.encode(s, add_special_tokens=False)`),
         `decode` its ids -> text (to see whether a thinking ends in whitespace)."""
+        priority = CONTINUATION_PRIORITY if rollout.continuations_first else None
         if not rollout.forced_interruption:
             return cls(enabled=False, thinking_budget_min=rollout.thinking_budget_min,
                        thinking_budget=rollout.thinking_budget,
-                       solution_budget=rollout.solution_budget)
+                       solution_budget=rollout.solution_budget, continuation_priority=priority)
         phrase = rollout.interruption_phrase
         phrase_ids = tuple(encode(phrase))
         spaced = phrase_ids if phrase[:1].isspace() else tuple(encode(" " + phrase))
@@ -112,7 +132,7 @@ class InterruptionSettings:
                    thinking_budget=rollout.thinking_budget,
                    solution_budget=rollout.solution_budget, phrase_ids=phrase_ids,
                    spaced_phrase_ids=spaced, think_end_ids=tuple(encode(think_end)),
-                   decode=decode)
+                   decode=decode, continuation_priority=priority)
 
     def phrase_after(self, thought: Sequence[int]) -> tuple[int, ...]:
         """The phrase's tokens to append after `thought`: spaced unless the thought ends in
@@ -145,15 +165,19 @@ def _sampled(result: GenerationResult) -> Segment:
 
 
 async def _generate(generate_one: GenerateOne, prefix: tuple[int, ...], budget: int, *,
-                    stop_token_ids: tuple[int, ...] = ()) -> tuple[list[Segment], str]:
+                    stop_token_ids: tuple[int, ...] = (),
+                    continuation: bool = False) -> tuple[list[Segment], str]:
     """Up to `budget` tokens after `prefix` as sampled segments and the finish reason ("stop" or
-    "length"), resubmitting aborted requests (see the module docstring)."""
+    "length"), resubmitting aborted requests (see the module docstring). `continuation`: `prefix`
+    holds generated tokens already; a resubmission always does."""
     segments: list[Segment] = []
     produced: tuple[int, ...] = ()
     idle_aborts = 0
     while True:
         result = await generate_one(prefix + produced, budget - len(produced),
-                                    stop_token_ids=stop_token_ids)
+                                    stop_token_ids=stop_token_ids,
+                                    **({"continuation": True} if continuation or produced
+                                       else {}))
         if result.token_ids or result.finish_reason != "abort":
             segments.append(_sampled(result))
             produced += tuple(result.token_ids)
@@ -204,5 +228,5 @@ async def generate_completion(generate_one: GenerateOne, prompt_ids: Sequence[in
             return _sample(segments, finish, budget)  # the answer is complete or at its limit
         remaining = settings.solution_budget - answered
     so_far = prompt + tuple(t for s in segments for t in s.token_ids)
-    answer, finish = await _generate(generate_one, so_far, remaining)
+    answer, finish = await _generate(generate_one, so_far, remaining, continuation=True)
     return _sample(segments + answer, finish, budget)

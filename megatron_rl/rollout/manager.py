@@ -514,7 +514,8 @@ class RolloutManager:
                 tasks = [samples_group.create_task(generate_completion(
                     bind_generate(  # each sample its own seed: SamplingParams.seed
                         client, self.params.for_sample("train", group_id, k),
-                        extra_key=extra_key),
+                        extra_key=extra_key,
+                        continuation_priority=self.interruption.continuation_priority),
                     self.prompt_token_ids[prompt_index], settings=self.interruption,
                     rng=random.Random(f"{self.seed}/{group_id}/{k}"), group_id=group_id,
                     sample_index=k)) for k in range(self.params.num_samples)]

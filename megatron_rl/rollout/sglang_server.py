@@ -54,6 +54,11 @@ _MODEL_MODULES = {"LlamaForCausalLM": "llama", "Llama4ForCausalLM": "llama4",
 _DISABLED_MODELS_ENV = "SGLANG_DISABLED_MODEL_ARCHS"
 # How SGLangServerSettings.api_key reaches the server process (megatron_rl.rollout.sglang_launch).
 API_KEY_ENV = "MEGATRON_RL_ENGINE_API_KEY"
+# rollout.continuations_first: priority scheduling over SGLang's first-come-first-served queue
+# (a request without a priority gets 0; continuations are sent with
+# rollout/interruption.py CONTINUATION_PRIORITY), never preempting a running request.
+CONTINUATIONS_FIRST_ARGS = ("--enable-priority-scheduling", "--default-priority-value", "0",
+                            "--disable-priority-preemption")
 
 
 def unused_model_modules(model_path: str) -> list[str] | None:
@@ -164,6 +169,9 @@ class SGLangServerSettings:
         if rollout.backend != "sglang":
             raise ValueError(f"rollout.backend is {rollout.backend!r}; these are SGLang server "
                              "settings (rollout.backend: sglang)")
+        if rollout.continuations_first:  # InterruptionSettings.continuation_priority
+            fields["extra_args"] = (*fields.get("extra_args", ()),
+                                    *CONTINUATIONS_FIRST_ARGS)
         if rollout.deterministic:  # a completion = f(prompt, seed, weights)
             fields["extra_args"] = (*fields.get("extra_args", ()), "--max-running-requests", "1",
                                     "--disable-radix-cache")

@@ -5,7 +5,9 @@ SWEEP.yaml names a base recipe, named variants (dotted overrides), seeds and a b
 started as a subprocess of its own (a crash of one run cannot take the sweep down) whose console
 goes to `train.log` in its directory. This module owns the sweep file, the plan (every run's
 RunConfig is built before any run starts, so a bad override stops the sweep at once with the run
-config's own error) and the runs, one after another. A run's own artefacts say where it stands: a
+config's own error) and the runs: one after another, or up to `parallel` at once (each then starts
+its own local Ray cluster, or reserves its own placement group on the cluster it joins; a run
+still is just a `megatron-rl train`). A run's own artefacts say where it stands: a
 committed checkpoint at train.num_steps (or past the compute budget) is finished and skipped, an
 earlier one is resumed with the run's own `--resume`, a directory without any starts fresh. The
 report (fits, seed spread, ranking) is sweep_report.py's.
@@ -24,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -34,12 +36,13 @@ from megatron_rl.scaling.log import LOG_NAME
 
 PROGRAM = "megatron-rl sweep"
 FIELDS = ("name", "base", "output_dir", "overrides", "variants", "seeds", "budget",
-          "target_compute_gpu_hours")
+          "target_compute_gpu_hours", "parallel")
 BUDGETS = ("steps", "compute_gpu_hours")
 TRAIN_LOG = "train.log"
 ATTEMPTS = "attempts.jsonl"  # in the sweep's output_dir: one line per run started
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # variant names become directory names
-POLL_S = 2.0  # how often a compute budget looks at the running run's scaling log
+POLL_S = 2.0  # how often a compute budget looks at a running run's scaling log
+TICK_S = 0.1  # how often the sweep looks whether a running run has exited
 
 
 class SweepError(ValueError):
@@ -60,6 +63,7 @@ class SweepSpec:
     budget_steps: int | None  # exactly one of the two budgets is set
     budget_compute_gpu_hours: float | None
     target_compute_gpu_hours: float | None  # the extrapolation plot's end; None: 10x the longest
+    parallel: int  # at most this many runs at once
 
     def budget_text(self) -> str:
         return (f"{self.budget_steps} steps" if self.budget_steps is not None
@@ -135,9 +139,13 @@ def load_sweep(path: str | Path) -> SweepSpec:
     target = raw.get("target_compute_gpu_hours")
     if target is not None:
         target = _positive(target, f"{where}: target_compute_gpu_hours")
+    parallel = raw.get("parallel", 1)
+    _check(isinstance(parallel, int) and not isinstance(parallel, bool) and parallel >= 1,
+           f"{where}: parallel: expected an integer >= 1, got {parallel!r}")
     spec = SweepSpec(name=name, base=base, output_dir=output_dir, overrides=overrides,
                      variants=parsed, seeds=tuple(seeds), budget_steps=steps,
-                     budget_compute_gpu_hours=compute, target_compute_gpu_hours=target)
+                     budget_compute_gpu_hours=compute, target_compute_gpu_hours=target,
+                     parallel=parallel)
     _check_reserved(spec, where)
     return spec
 
@@ -286,26 +294,32 @@ def logged_compute(path: Path) -> float:
 # ------------------------------------------------------------------------------- the runs
 
 class _Stop:
-    """SIGTERM / SIGINT to the sweep: the first is passed to the running run (it finishes its
-    step, writes a checkpoint and exits) and no further run starts; a second one is passed on
-    too (the run then stops at once)."""
+    """SIGTERM / SIGINT to the sweep, for its `with` block (the previous handlers come back
+    after). The first is passed to every running run as one SIGTERM (each finishes its step,
+    writes a checkpoint and exits) and no further run starts; a second one is passed on too (the
+    runs then stop at once). The handler only counts: the sweep's loop passes the signals on
+    (`_Running.poll`), so a run started just as a signal comes still gets it, and only once."""
 
     def __init__(self) -> None:
-        self.signal: signal.Signals | None = None
-        self.child: subprocess.Popen | None = None
+        self.signal: signal.Signals | None = None  # the first one
+        self.count = 0
+        self._previous: dict[signal.Signals, Any] = {}
 
-    def install(self) -> None:
+    def __enter__(self) -> Self:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame) -> None:
-        first = self.signal is None
         self.signal = self.signal or signal.Signals(signum)
-        what = "stopping the run at once" if not first else (
-            "the run finishes its step and writes a checkpoint; no further run starts")
+        self.count += 1
+        what = "stopping the runs at once" if self.count > 1 else (
+            "the runs finish their step and write a checkpoint; no further run starts")
         print(f"{PROGRAM}: {signal.Signals(signum).name}: {what}", file=sys.stderr, flush=True)
-        if self.child is not None and self.child.poll() is None:
-            self.child.send_signal(signal.SIGTERM)
 
 
 def _stop_with_the_sweep() -> None:
@@ -315,37 +329,55 @@ def _stop_with_the_sweep() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def execute(run: SweepRun, spec: SweepSpec, *, resume: bool, stop: _Stop) -> int:
-    """`megatron-rl train` for one run until it exits; returns its exit status. Under a compute
-    budget the run gets SIGTERM (a graceful stop with a checkpoint) once its scaling log reaches
-    the budget."""
-    command = [sys.executable, "-m", "megatron_rl.cli", "train", spec.base, *run.overrides]
-    if resume:
-        command.append("--resume")
-    run.output_dir.mkdir(parents=True, exist_ok=True)
-    with open(run.log, "ab") as log:
-        # A session of its own: a Ctrl-C in the terminal reaches the sweep only, which passes
-        # one SIGTERM on (two would stop the run without a checkpoint).
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                preexec_fn=_stop_with_the_sweep if sys.platform == "linux"
-                                else None)
-    stop.child = proc
-    if stop.signal is not None:  # it came while the run was being started
-        proc.send_signal(signal.SIGTERM)
-    budget_reached = False
-    while True:
-        try:
-            return proc.wait(timeout=POLL_S)
-        except subprocess.TimeoutExpired:
-            pass
-        budget = spec.budget_compute_gpu_hours
-        if budget is not None and not budget_reached and \
-                logged_compute(run.output_dir / LOG_NAME) >= budget:
-            budget_reached = True
-            print(f"{PROGRAM}: {run.label} validated past the budget of {budget:g} GPU-hours: "
-                  "stopping it (SIGTERM: it writes a checkpoint)", flush=True)
-            proc.send_signal(signal.SIGTERM)
+def train_command(run: SweepRun, spec: SweepSpec, *, resume: bool) -> list[str]:
+    """The run's `megatron-rl train` command line."""
+    return [sys.executable, "-m", "megatron_rl.cli", "train", spec.base, *run.overrides,
+            *(["--resume"] if resume else [])]
+
+
+class _Running:
+    """One run's `megatron-rl train` subprocess, from start() until poll() returns its exit
+    status. poll() passes the sweep's stop signals on and, under a compute budget, sends the run
+    SIGTERM (a graceful stop with a checkpoint) once its scaling log reaches the budget; a run
+    already stopping for its budget gets a stop signal's SIGTERM from the second signal on."""
+
+    def __init__(self, run: SweepRun, spec: SweepSpec, *, resume: bool, head: str) -> None:
+        self.run, self.spec, self.resume, self.head = run, spec, resume, head
+        self.proc: subprocess.Popen | None = None
+        self.started = 0.0  # time.time() at start
+        self.num_sigterms = 0  # sent to the run so far
+        self.next_budget_check = 0.0  # time.monotonic()
+
+    def start(self) -> None:
+        self.run.output_dir.mkdir(parents=True, exist_ok=True)
+        self.started = time.time()
+        with open(self.run.log, "ab") as log:
+            # A session of its own: a Ctrl-C in the terminal reaches the sweep only, which passes
+            # one SIGTERM on (two would stop the run without a checkpoint).
+            self.proc = subprocess.Popen(
+                train_command(self.run, self.spec, resume=self.resume), stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_stop_with_the_sweep if sys.platform == "linux" else None)
+
+    def poll(self, stop: _Stop) -> int | None:
+        code = self.proc.poll()
+        if code is not None:
+            return code
+        while self.num_sigterms < stop.count:
+            self._sigterm()
+        budget = self.spec.budget_compute_gpu_hours
+        if budget is not None and self.num_sigterms == 0 and \
+                time.monotonic() >= self.next_budget_check:
+            self.next_budget_check = time.monotonic() + POLL_S
+            if logged_compute(self.run.output_dir / LOG_NAME) >= budget:
+                print(f"{PROGRAM}: {self.run.label} validated past the budget of {budget:g} "
+                      "GPU-hours: stopping it (SIGTERM: it writes a checkpoint)", flush=True)
+                self._sigterm()
+        return None
+
+    def _sigterm(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.num_sigterms += 1
 
 
 def set_aside(run: SweepRun) -> Path:
@@ -387,6 +419,42 @@ def _tail(path: Path) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def _start(run: SweepRun, spec: SweepSpec, *, head: str) -> _Running | None:
+    """Start the run where its artefacts say it stands; None if it is finished (skipped)."""
+    state, step = run_state(run, spec)
+    if state is RunState.FINISHED:
+        print(f"{head}: finished (checkpoint step {step}), skipped", flush=True)
+        return None
+    if state is RunState.RESTART:
+        print(f"{head}: holds outputs but no checkpoint; moved to {set_aside(run)}", flush=True)
+    resume = state is RunState.RESUME
+    print(f"{head}: {'resuming from step ' + str(step) if resume else 'starting'} "
+          f"(log: {run.log})", flush=True)
+    started = _Running(run, spec, resume=resume, head=head)
+    started.start()
+    return started
+
+
+def _exited(active: _Running, code: int, spec: SweepSpec, failed: dict[str, int], *,
+            stopped: bool) -> None:
+    """Record the attempt and print the run's line; a run that did not finish is failed unless
+    the sweep is being stopped."""
+    run = active.run
+    _record_attempt(Path(spec.output_dir), run, action="resume" if active.resume else "start",
+                    started=active.started, exit_code=code)
+    state, step = run_state(run, spec)
+    newest = "none" if step is None else f"step {step}"
+    if state is RunState.FINISHED:
+        print(f"{active.head}: finished in {time.time() - active.started:.0f} s", flush=True)
+    elif stopped:
+        print(f"{active.head}: stopped (exit status {code}, newest checkpoint: {newest})",
+              flush=True)
+    else:
+        failed[run.label] = code
+        print(f"{active.head}: FAILED (exit status {code}, newest checkpoint: {newest}); log: "
+              f"{run.log}: {_tail(run.log)}", flush=True)
+
+
 # ---------------------------------------------------------------------------- the command
 
 def build_parser() -> argparse.ArgumentParser:
@@ -420,39 +488,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROGRAM}: note: data.split_seed is null, so each seed validates on other "
               "held-out problems and the seed spread includes the split's; add "
               "data.split_seed=N to overrides to hold the problems fixed", flush=True)
+    if spec.parallel > 1 and any(run.config.cluster.address is None for run in runs):
+        print(f"{PROGRAM}: note: parallel: {spec.parallel}: runs without cluster.address each "
+              "start a local Ray cluster on this machine and share its CPUs and GPUs; their "
+              "compute axes (measured device-time) include that contention", flush=True)
+    at_once = "one run after another" if spec.parallel == 1 else (
+        f"up to {spec.parallel} runs at once")
     print(f"{PROGRAM}: {spec.name}: {len(spec.variants)} variant(s) x {len(spec.seeds)} "
-          f"seed(s), {spec.budget_text()} each, one run after another, in {out}", flush=True)
-    stop = _Stop()
-    stop.install()
+          f"seed(s), {spec.budget_text()} each, {at_once}, in {out}", flush=True)
     failed: dict[str, int] = {}
-    for number, run in enumerate(runs, start=1):
-        if stop.signal is not None:
-            break
-        state, step = run_state(run, spec)
-        head = f"{PROGRAM}: [{number}/{len(runs)}] {run.label}"
-        if state is RunState.FINISHED:
-            print(f"{head}: finished (checkpoint step {step}), skipped", flush=True)
-            continue
-        if state is RunState.RESTART:
-            print(f"{head}: holds outputs but no checkpoint; moved to {set_aside(run)}",
-                  flush=True)
-        resume = state is RunState.RESUME
-        print(f"{head}: {'resuming from step ' + str(step) if resume else 'starting'} "
-              f"(log: {run.log})", flush=True)
-        started = time.time()
-        code = execute(run, spec, resume=resume, stop=stop)
-        _record_attempt(out, run, action="resume" if resume else "start", started=started,
-                        exit_code=code)
-        if stop.signal is not None:
-            break
-        state, step = run_state(run, spec)
-        if state is RunState.FINISHED:
-            print(f"{head}: finished in {time.time() - started:.0f} s", flush=True)
-        else:
-            failed[run.label] = code
-            print(f"{head}: FAILED (exit status {code}, newest checkpoint: "
-                  f"{'none' if step is None else f'step {step}'}); log: {run.log}: "
-                  f"{_tail(run.log)}", flush=True)
+    waiting = list(enumerate(runs, start=1))  # plan order
+    running: list[_Running] = []
+    with _Stop() as stop:
+        while running or (waiting and stop.signal is None):
+            while waiting and len(running) < spec.parallel and stop.signal is None:
+                number, run = waiting.pop(0)
+                started = _start(run, spec, head=f"{PROGRAM}: [{number}/{len(runs)}] {run.label}")
+                if started is not None:
+                    running.append(started)
+            if running:
+                time.sleep(TICK_S)
+            for active in list(running):
+                code = active.poll(stop)
+                if code is not None:
+                    running.remove(active)
+                    _exited(active, code, spec, failed, stopped=stop.signal is not None)
     if stop.signal is not None:
         print(f"{PROGRAM}: stopped by {stop.signal.name}; continue with `megatron-rl sweep "
               f"{args.sweep} --resume`", file=sys.stderr, flush=True)

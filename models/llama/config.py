@@ -45,6 +45,17 @@ _HF_SIZES: dict[str, dict[str, Any]] = {
         rope_parameters=dict(_LLAMA3_ROPE), attention_bias=False, mlp_bias=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.02,
     ),
+    # The long-generation e2e's model (tests/e2e/test_long_generation.py): one layer and one KV
+    # head, because SGLang's CPU decode gathers every layer's cached keys and values of the
+    # whole context at every step (at 16k tokens that, not the model, is the step's cost), and
+    # a 32k context for 16k-token completions.
+    "tiny_long": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, hidden_act="silu",
+        max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters=dict(_LLAMA3_ROPE), attention_bias=False, mlp_bias=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.02,
+    ),
 }
 
 SIZES = tuple(_HF_SIZES)

@@ -27,8 +27,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
-from _checks import (ROOT, processes_left, scalars, tiny_llama_checkpoint,  # noqa: E402
-                     wait_for_exit)
+from _checks import ROOT, processes_left, scalars, tiny_llama_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -42,17 +41,34 @@ COMMON = ["logging.progress_bar=false", "eval.at_step_zero=false", "eval.interva
 
 
 def _start(args, *, faults=""):
+    """The run, its output going to a file next to its output_dir (a pipe nobody reads until the
+    end fills at 64 KiB and blocks the driver mid-run); `proc.log` is that file."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if faults:
         env["MEGATRON_RL_FAULTS"] = faults
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train",
-                             "examples/configs/tiny_pipeline.yaml", *COMMON, *args], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output_dir = Path(next(a for a in args if a.startswith("output_dir=")).split("=", 1)[1])
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = output_dir.parent / f"{output_dir.name}.{time.time_ns()}.log"
+    with open(log, "w") as stream:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train",
+                                 "examples/configs/tiny_pipeline.yaml", *COMMON, *args], cwd=ROOT,
+                                env=env, stdout=stream, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    return proc
+
+
+def _output(proc):
+    return proc.log.read_text(errors="replace")
 
 
 def _finish(proc, timeout=900):
-    output, _ = wait_for_exit(proc, timeout=timeout)
-    return proc.returncode, output
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return proc.returncode, _output(proc) + f"\n[test] the run timed out after {timeout} s"
+    return proc.returncode, _output(proc)
 
 
 def _jsonl(path):
@@ -71,9 +87,10 @@ def _wait_for(condition, proc, what, timeout=600):
             return time.time()
         if proc.poll() is not None:
             pytest.fail(f"the run ended (rc {proc.returncode}) while waiting for {what}:\n"
-                        + proc.communicate()[0][-6000:])
+                        + _output(proc)[-6000:])
         time.sleep(0.2)
-    pytest.fail(f"timed out waiting for {what}")
+    pytest.fail(f"timed out after {timeout} s waiting for {what}; the run's output ends:\n"
+                + _output(proc)[-6000:])
 
 
 def _no_orphans(model_dir, pid, grace_s=60):
@@ -345,11 +362,9 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
     SIGKILLed): Ray declares it dead, the driver takes generator-0 out of the rotation (its
     groups re-queued) and the run goes on with generator-1. A new generator node joins: Ray
     places generator-0's bundle there and the driver brings a new engine to the current weights
-    and back into the rotation. After the next checkpoint the trainer's node is lost: the run
-    Then a process of a random engine (its server, a child of it, or its Ray worker, drawn from
-    CHAOS_SEED) is SIGKILLed at a random moment, and the engine is restarted. After the next
-    checkpoint the trainer's node is lost: the run
-    stops within a bound, exit status 75, one message naming the node and the checkpoint
+    and back into the rotation. Then a process of a random engine (its server, a child of it,
+    or its Ray worker, drawn from CHAOS_SEED) is SIGKILLed at a random moment, and the engine is
+    restarted. After the next checkpoint the trainer's node is lost: the run stops within a bound, exit status 75, one message naming the node and the checkpoint
     `--resume` loads. A new trainer node joins and `--resume` finishes the run. The ledger holds
     every group exactly once, TensorBoard shows the engines in the rotation (2, then 1, then 2),
     and no SGLang server or Ray process is left."""
@@ -372,8 +387,9 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
                   "rollout.min_generators=1", "rollout.health_check_interval_s=2",
                   "weight_sync.timeout_s=20", "checkpoint.interval_steps=2",
                   "checkpoint.keep_last=2"]
-        # More steps than it will reach: the trainer node's loss ends it.
-        proc = _start([*recipe, "train.num_steps=400"])
+        # More steps than it will reach (a step takes about a second here): the trainer
+        # node's loss ends it.
+        proc = _start([*recipe, "train.num_steps=100000"])
 
         def processes():
             return json.loads((out / "processes.json").read_text())
@@ -381,7 +397,9 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
         def generator_faults():
             return [f for f in _jsonl(out / "faults.jsonl") if f["kind"] == "generator"]
 
-        _wait_for(lambda: _steps(out) and max(_steps(out)) >= 1, proc, "step 1")
+        # Alone about a minute; the suite's five streams on two cores stretch the start (Ray's
+        # four raylets, two engines, the trainer rank) many times over.
+        _wait_for(lambda: _steps(out) and max(_steps(out)) >= 1, proc, "step 1", timeout=1200)
         where = processes()
         assert where["driver"]["node_id"] == nodes.cluster.head_node.node_id, where
         lost_generator = where["generators"][0]

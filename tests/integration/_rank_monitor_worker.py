@@ -12,9 +12,13 @@ from megatron_rl.resilience.rank_monitor import RankMonitor
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
 torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-monitor, why = RankMonitor.start(timeout_s=600.0, hang_timeout_factor=4.0)
+monitor, why = RankMonitor.start(
+    timeouts_s={"train_step": 600.0, "weight_sync": 700.0, "checkpoint": 800.0},
+    hang_timeout_factor=4.0)
 assert monitor is not None, why
 print("server pid", monitor._server.pid, flush=True)
+sections = monitor._client.section_timeouts.section  # what the monitor process was given
+print("sections", " ".join(f"{name}={sections[name]:g}" for name in sorted(sections)), flush=True)
 for _ in range(3):
     with monitor.section("train_step"):
         time.sleep(0.5)

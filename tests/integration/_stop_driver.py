@@ -6,8 +6,10 @@ process. Its health checks are stubbed (nothing to check here): the waits are th
 `python _stop_driver.py OUT_DIR GRACE_S`. Phases, each announced in OUT_DIR/phases.jsonl:
 1. waiting for "generation" (a coroutine that never ends) through GeneratorHealth.wait, until the
    first SIGTERM abandons it;
-2. a trainer step that never ends (TrainerGroup.train_step): abandoned GRACE_S after the signal;
-3. a plain ray.get of another endless call (no slices): only the second SIGTERM ends it, which
+2. a generator restart that never ends (GeneratorPool.restart of an engine whose restart hangs):
+   abandoned at once, the run stopping (a restart is a wait for generation capacity);
+3. a trainer step that never ends (TrainerGroup.train_step): abandoned GRACE_S after the signal;
+4. a plain ray.get of another endless call (no slices): only the second SIGTERM ends it, which
    must kill every process of the run and exit at once.
 """
 from __future__ import annotations
@@ -31,10 +33,18 @@ class EndlessRank:
         time.sleep(3600)
 
 
+class EndlessGenerator:
+    """A generator actor whose restart never returns."""
+
+    def restart(self):
+        time.sleep(3600)
+
+
 def main(out: Path, grace_s: float) -> None:
     import psutil
     import ray
 
+    from megatron_rl.cluster.generators import GeneratorPool
     from megatron_rl.cluster.remote import actor_class
     from megatron_rl.cluster.runtime import ClusterSettings, RayCluster
     from megatron_rl.cluster.trainers import TrainerGroup
@@ -66,6 +76,12 @@ def main(out: Path, grace_s: float) -> None:
         except StopRequested as abandoned:
             phase("generation abandoned", message=str(abandoned),
                   no_checkpoint=abandoned.no_checkpoint, signal=stop.requested.name)
+        pool = GeneratorPool(None, [actor_class(EndlessGenerator).remote()], ["generator-0"],
+                             start_timeout_s=3600, call_timeout_s=3600)
+        try:
+            pool.restart(0)
+        except StopRequested as abandoned:
+            phase("restart abandoned", message=str(abandoned))
         try:
             trainers.train_step({"tokens": [1, 2, 3]})
         except StopRequested as abandoned:

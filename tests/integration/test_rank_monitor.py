@@ -28,6 +28,8 @@ def test_a_hung_train_step_is_killed_by_the_rank_monitor():
     calibrated = float(next(l for l in lines if l.startswith("calibrated")).split()[1])
     assert 4 * 0.5 <= calibrated < 280, calibrated  # factor x the longest step, at least
     assert time.monotonic() - started < 280  # killed, not ended by its 300 s sleep
+    # Each section runs under its own kind's timeout (step, weight sync, checkpoint).
+    assert "sections checkpoint=800 train_step=600 weight_sync=700" in lines, lines
     server = int(next(l for l in lines if l.startswith("server pid")).split()[2])
     deadline = time.monotonic() + 30
     while psutil.pid_exists(server) and psutil.Process(server).status() != "zombie" and \

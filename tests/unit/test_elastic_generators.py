@@ -156,6 +156,26 @@ def test_a_lost_generator_node_leaves_the_rotation_and_its_engine_comes_back(tmp
     assert fault["recovered_at"] >= fault["detected_at"]
 
 
+def test_a_wait_that_ends_at_once_still_takes_a_placed_engine_back(tmp_path, loop,
+                                                                   monkeypatch):
+    """The pipeline runs ahead of the trainer: every take finds its groups ready and ends at
+    once. The re-created engine still comes back (the node-loss e2e waited 600 s for it while
+    the run went on at one step a second on the other engine)."""
+    lost = {"node-a"}
+    health, pool, manager, trainers = _health(tmp_path, loop, monkeypatch, lost,
+                                              "rollout.min_generators=1")
+    health.check()
+    assert manager.down == {0}
+    lost.clear()
+    pool.placed = {0: Endpoint("generator-0", "http://c:1", "node-c")}
+
+    async def ready():
+        return "groups"
+
+    assert health.wait(ready()) == "groups"
+    assert manager.down == frozenset() and ("sync_new", ["generator-0"], 7) in trainers.calls
+
+
 def test_below_min_generators_the_run_waits_bounded_then_stops_for_a_requeue(tmp_path, loop,
                                                                           monkeypatch):
     health, _, manager, _ = _health(tmp_path, loop, monkeypatch, {"node-b"},

@@ -32,12 +32,13 @@ def test_registry_names_and_unknown_name_error(models_pkg):
     assert llama4.hf_architectures == ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
     assert models_pkg.get_model_family("qwen3_moe").hf_architectures == ("Qwen3MoeForCausalLM",)
     llama = models_pkg.get_model_family("llama")
-    assert (llama.sizes, llama.hf_architectures) == (("tiny", "llama3_8b"), ("LlamaForCausalLM",))
+    assert (llama.sizes, llama.hf_architectures) == (("tiny", "tiny_long", "llama3_8b"),
+                                                    ("LlamaForCausalLM",))
     with pytest.raises(ValueError, match="supported families: llama, llama4, qwen3_moe"):
         models_pkg.get_model_family("llama-4-scout")
     with pytest.raises(ValueError, match=r"no size 'huge'.*\('tiny', 'tiny_maverick'"):
         llama4.transformer_config("huge")
-    with pytest.raises(ValueError, match=r"no size '8b'.*\('tiny', 'llama3_8b'\)"):
+    with pytest.raises(ValueError, match=r"no size '8b'.*\('tiny', 'tiny_long', 'llama3_8b'\)"):
         llama.transformer_config("8b")
     assert models_pkg.model_family_for_hf_architecture("Qwen3MoeForCausalLM").name == "qwen3_moe"
     assert models_pkg.model_family_for_hf_architecture("LlamaForCausalLM").name == "llama"

@@ -29,10 +29,13 @@ class Script:
         self.answers = list(answers)
         self.requests = []
         self.stops = []
+        self.continuations = []  # per request: flagged as a continuation of the completion
 
-    async def __call__(self, input_ids, max_new_tokens, *, stop_token_ids=()):
+    async def __call__(self, input_ids, max_new_tokens, *, stop_token_ids=(),
+                       continuation=False):
         self.requests.append((tuple(input_ids), max_new_tokens))
         self.stops.append(tuple(stop_token_ids))
+        self.continuations.append(continuation)
         tokens, finish, version = self.answers.pop(0)
         assert len(tokens) <= max_new_tokens
         return GenerationResult(prompt_index=0, sample_index=0, prompt_token_ids=tuple(input_ids),
@@ -52,6 +55,7 @@ def test_interrupted_inside_the_thinking_part():
     # The second request continues from prompt + output + phrase, with what the phrase leaves
     # of the solution budget (6 - 3).
     assert script.requests == [((1, 2), 5), ((1, 2, 10, 11, 12, 13, 14, 90, 91, 92), 3)]
+    assert script.continuations == [False, True]  # the answer goes before fresh requests
     assert sample.token_ids == (10, 11, 12, 13, 14, 90, 91, 92, 20, 21)
     assert sample.loss_mask == (1, 1, 1, 1, 1, 0, 0, 0, 1, 1)
     assert sample.versions == (4,) * 5 + (NOT_SAMPLED,) * 3 + (5, 5)
@@ -193,6 +197,35 @@ def test_settings_from_the_run_config_and_their_errors():
     off = InterruptionSettings.from_rollout_config(
         load_config(None, ["rollout.forced_interruption=false"]).rollout, encode)
     assert not off.enabled and off.phrase_ids == ()
+    assert settings.continuation_priority == off.continuation_priority == 1
+    fcfs = InterruptionSettings.from_rollout_config(
+        load_config(None, ["rollout.continuations_first=false"]).rollout, encode)
+    assert fcfs.continuation_priority is None
+
+
+def test_a_continuation_is_sent_with_its_priority_and_a_fresh_request_without():
+    """bind_generate -> AsyncSGLangClient.generate_one: the priority goes to SGLang only on a
+    continuation, and only when rollout.continuations_first set one."""
+    from megatron_rl.rollout import SamplingParams
+    from megatron_rl.rollout.interruption import bind_generate
+
+    class Client:
+        def __init__(self):
+            self.calls = []
+
+        async def generate_one(self, input_ids, max_new_tokens, params, **kwargs):
+            self.calls.append(kwargs)
+
+    async def requests(priority):
+        client = Client()
+        generate_one = bind_generate(client, SamplingParams(max_new_tokens=1), extra_key="v0",
+                                     continuation_priority=priority)
+        await generate_one((1,), 4)
+        await generate_one((1, 2), 4, continuation=True)
+        return client.calls
+
+    assert asyncio.run(requests(1)) == [{"extra_key": "v0"}, {"extra_key": "v0", "priority": 1}]
+    assert asyncio.run(requests(None)) == [{"extra_key": "v0"}, {"extra_key": "v0"}]
 
 
 def test_samples_refuse_inconsistent_segments():
@@ -215,6 +248,7 @@ def test_aborted_request_is_resubmitted_with_what_is_left_of_its_budget():
     sample = _run(script)
     assert script.requests == [((1, 2), 5), ((1, 2, 10, 11), 3),
                                ((1, 2, 10, 11, 12, 13, 14, 90, 91, 92), 3)]
+    assert script.continuations == [False, True, True]  # a resubmission continues it too
     assert sample.token_ids == (10, 11, 12, 13, 14, 90, 91, 92, 20, 21)
     assert sample.versions == (4, 4, 5, 5, 5) + (NOT_SAMPLED,) * 3 + (5, 5)
     assert sample.loss_mask == (1,) * 5 + (0,) * 3 + (1, 1)

@@ -32,6 +32,13 @@ def test_server_args_map_our_config_and_fp32_head_is_on_by_default(tmp_path):
     assert pairs["--port"] == "1234" and pairs["--attention-backend"] == "torch_native"
     assert "--enable-fp32-lm-head" in args and "--skip-tokenizer-init" in args
     assert "--sleep-on-idle" in args  # an idle scheduler must not spin a core
+    # rollout.continuations_first (default): priority scheduling, unprioritised requests at 0,
+    # no preemption of a running request.
+    assert "--enable-priority-scheduling" in args and "--disable-priority-preemption" in args
+    assert pairs["--default-priority-value"] == "0"
+    fcfs = SGLangServerSettings.from_rollout_config(
+        RolloutConfig(continuations_first=False), str(tmp_path), device="cpu")
+    assert "--enable-priority-scheduling" not in fcfs.server_args(port=1)
     off = SGLangServerSettings(model_path=str(tmp_path), enable_fp32_lm_head=False,
                                sleep_on_idle=False)
     assert "--enable-fp32-lm-head" not in off.server_args(port=1)

@@ -1,7 +1,8 @@
 """`megatron-rl sweep` without training: the sweep file and its one-line errors, the plan (every
 run's RunConfig up front), where a run stands from its own artefacts, the ranking rules on
-hand-computed values, and the report checked against `megatron-rl fit` on the same logs. The
-runs themselves are in tests/e2e/test_sweep.py."""
+hand-computed values, the report checked against `megatron-rl fit` on the same logs, and the
+scheduling of `parallel` runs and of a stop with stand-in runs. The real runs are in
+tests/e2e/test_sweep.py."""
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from megatron_rl.cli import main as megatron_rl_main
 from megatron_rl.resilience import checkpoint as run_checkpoint
 from megatron_rl.scaling.cli import main as fit_main
 from megatron_rl.scaling.log import ScalingLog
+from megatron_rl.scaling import sweep
 from megatron_rl.scaling.series import ScalingSeries
 from megatron_rl.scaling.sigmoid import SigmoidFitConfig, fit_sigmoid
 from megatron_rl.scaling.sweep import (RunState, SweepError, load_sweep, logged_compute,
@@ -65,6 +67,7 @@ def test_the_demo_sweep_plans_six_ordinary_runs():
         assert cfg.data.split_seed == 1234  # the sweep's overrides reach every run
         assert cfg.checkpoint_dir == str(run.output_dir / "checkpoints")
         assert cfg.rollout.thinking_budget == 26  # and the rest is the demo recipe's
+    assert spec.parallel == 1  # one run after another unless the file says otherwise
     assert runs[0].overrides == ("data.split_seed=1234", "algorithm.loss=cispo", "seed=1",
                                  'output_dir="runs/sweep_demo_loss/cispo/seed1"',
                                  "train.num_steps=30")
@@ -84,6 +87,9 @@ def test_the_demo_sweep_plans_six_ordinary_runs():
     ({"budget": "{steps: 0}"}, "budget.steps: expected an integer >= 1, got 0"),
     ({"budget": "{compute_gpu_hours: lots}"}, "budget.compute_gpu_hours: expected a number > 0"),
     ({"overrides": "data.split_seed=7"}, "overrides: expected a list"),
+    ({"parallel": "0"}, "parallel: expected an integer >= 1, got 0"),
+    ({"parallel": '"x"'}, "parallel: expected an integer >= 1, got 'x'"),
+    ({"parallel": "1.5"}, "parallel: expected an integer >= 1, got 1.5"),
     ({"variants": "{a: [seed=3]}"}, "variants.a: 'seed=3' sets seed, which the sweep sets"),
     ({"overrides": "[train.num_steps=9]"}, "overrides: 'train.num_steps=9' sets "
                                            "train.num_steps, which the sweep sets for every run "
@@ -294,3 +300,125 @@ def test_a_killed_sweep_takes_its_run_down_gracefully(tmp_path):
     while not stopped.exists() and time.monotonic() < deadline + 10:
         time.sleep(0.05)
     assert stopped.exists()
+
+
+# A stand-in for `megatron-rl train`, for the sweep's scheduling logic only: it notes its start
+# (and each SIGTERM, and its end) in stand_in.jsonl of its run directory. "finish": it waits
+# until two runs of the sweep have started (so two run at once if the sweep lets them), then
+# commits a checkpoint at train.num_steps (the run is finished) and exits. "stop": it stays until
+# its second SIGTERM, like a run in the middle of a step whose first SIGTERM is a graceful stop.
+STAND_IN = """
+import json, signal, sys, time
+from pathlib import Path
+from megatron_rl.resilience import checkpoint
+out, root, num_steps, mode = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+def note(what):
+    with open(out / "stand_in.jsonl", "a") as f:
+        f.write(json.dumps({"what": what, "at": time.time()}) + "\\n")
+terms = []
+signal.signal(signal.SIGTERM, lambda *_: (note("sigterm"), terms.append(1)))
+note("start")
+deadline = time.monotonic() + 30
+if mode == "finish":
+    while len(list(out.parents[1].glob("*/seed*/stand_in.jsonl"))) < 2 and \\
+            time.monotonic() < deadline:
+        time.sleep(0.02)
+    staging = checkpoint.partial_path(root, num_steps)
+    staging.mkdir(parents=True)
+    checkpoint.commit(staging, checkpoint.checkpoint_path(root, num_steps), step=num_steps)
+else:
+    while len(terms) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+note("end")
+"""
+
+
+def _stand_in(mode: str):
+    def command(run, spec, *, resume):
+        return [sys.executable, "-c", STAND_IN, str(run.output_dir), run.config.checkpoint_dir,
+                str(run.config.train.num_steps), mode]
+    return command
+
+
+def _notes(run) -> list[dict]:
+    path = run.output_dir / "stand_in.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def _wait_for(condition, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def test_parallel_runs_at_most_that_many_at_once_all_of_them_in_plan_order(
+        tmp_path, monkeypatch, capsys):
+    """parallel: 2 and three runs: two run at once, never three, and the third starts when one
+    has exited. The runs are a stand-in (STAND_IN) for the scheduling logic only."""
+    path = _sweep_file(tmp_path, _good(tmp_path, variants="{cispo: [algorithm.loss=cispo]}",
+                                       seeds="[1, 2, 3]", parallel="2"))
+    monkeypatch.setattr(sweep, "train_command", _stand_in("finish"))
+    assert sweep.main([str(path), "--no-plots"]) == 0
+    runs = plan_runs(load_sweep(path))
+    spans = []
+    for run in runs:
+        notes = _notes(run)
+        assert [n["what"] for n in notes] == ["start", "end"]  # each run ran once, to its end
+        spans.append((notes[0]["at"], notes[1]["at"]))
+    # Each stand-in's span lies inside its process's life, so this counts exactly.
+    at_once = [sum(start <= s < end for start, end in spans) for s, _ in spans]
+    assert max(at_once) == 2, spans
+    attempts = [json.loads(line) for line in
+                (tmp_path / "out" / "attempts.jsonl").read_text().splitlines()]
+    assert [a["run"] for a in sorted(attempts, key=lambda a: a["started_at"])] == [
+        "cispo/seed1", "cispo/seed2", "cispo/seed3"]
+    printed = capsys.readouterr().out
+    assert "up to 2 runs at once" in printed and "note: parallel: 2: runs without " \
+        "cluster.address each start a local Ray cluster" in printed
+    for number, run in enumerate(runs, start=1):
+        assert f"[{number}/3] {run.label}: starting" in printed
+        assert f"[{number}/3] {run.label}: finished in" in printed
+
+
+def test_a_stop_signal_reaches_every_running_run_and_starts_no_further_one(tmp_path):
+    """The sweep (parallel: 2, three runs) gets SIGTERM while two runs run: each of them gets
+    one SIGTERM, the third never starts, and the sweep waits for them; a second SIGTERM reaches
+    both again, and the sweep exits 128 + 15. The runs are a stand-in (STAND_IN) for the
+    scheduling logic only."""
+    path = _sweep_file(tmp_path, _good(tmp_path, variants="{cispo: [algorithm.loss=cispo]}",
+                                       seeds="[1, 2, 3]", parallel="2"))
+    driver = ("import sys\nfrom megatron_rl.scaling import sweep\n"
+              f"STAND_IN = {STAND_IN!r}\n"
+              "sweep.train_command = lambda run, spec, *, resume: [sys.executable, '-c', "
+              "STAND_IN, str(run.output_dir), run.config.checkpoint_dir, "
+              "str(run.config.train.num_steps), 'stop']\n"
+              f"sys.exit(sweep.main([{str(path)!r}]))\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    runs = plan_runs(load_sweep(path))
+
+    def what(run) -> list[str]:
+        return [n["what"] for n in _notes(run)]
+
+    try:
+        assert _wait_for(lambda: all(what(run) == ["start"] for run in runs[:2]))
+        proc.send_signal(signal.SIGTERM)
+        assert _wait_for(lambda: all(what(run) == ["start", "sigterm"] for run in runs[:2]))
+        time.sleep(0.5)  # a few of the sweep's polls: nothing more is passed on or started
+        assert [what(run) for run in runs[:2]] == [["start", "sigterm"]] * 2
+        assert proc.poll() is None  # it waits for its runs
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM.value, stderr
+    assert [what(run) for run in runs[:2]] == [["start", "sigterm", "sigterm", "end"]] * 2
+    assert not runs[2].output_dir.exists()
+    assert "[1/3] cispo/seed1: stopped (exit status 0, newest checkpoint: none)" in stdout
+    assert "[3/3]" not in stdout and "FAILED" not in stdout
+    assert "stopped by SIGTERM; continue with `megatron-rl sweep" in stderr
+    attempts = (tmp_path / "out" / "attempts.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["run"] for line in attempts) == ["cispo/seed1", "cispo/seed2"]

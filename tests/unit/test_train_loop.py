@@ -213,3 +213,40 @@ def test_generation_before_the_step_zero_validation_is_on_the_compute_axis(tmp_p
     metrics.progress(range(3))
     assert 1.0 <= metrics.compute_gpu_hours < 1.01
     metrics.close()
+
+
+def test_rollout_samples_record_each_completions_shape_and_version_runs(tmp_path):
+    """logging.rollout_samples: one line per trained completion, the versions of its sampled
+    tokens run-length encoded in order (inserted tokens, loss_mask 0, are not sampled)."""
+    import json
+    import math
+
+    import torch
+
+    from megatron_rl.metrics import version_runs, write_rollout_samples
+    from megatron_rl.rollout.manager import FinishedGroup
+    from megatron_rl.rollout.samples import RolloutSample
+
+    assert version_runs([]) == [] and version_runs([3]) == [[3, 1]]
+    assert version_runs([0, 0, 1, 1, 1, 2, 2]) == [[0, 2], [1, 3], [2, 2]]
+
+    def sample(index, versions, mask):
+        n = len(versions)
+        return RolloutSample(group_id=7, sample_index=index, prompt_token_ids=(1, 5, 6),
+                             token_ids=tuple(range(10, 10 + n)), logprobs=(0.0,) * n,
+                             versions=tuple(versions), loss_mask=tuple(mask),
+                             finish_reason="stop", interrupted=index == 0,
+                             segment_offsets=(0,), thinking_budget=4)
+
+    group = FinishedGroup(group_id=7, prompt_index=3, admission_version=0, results=(None, None),
+                          samples=(sample(0, [0, 0, -1, 1, 1], [1, 1, 0, 1, 1]),
+                                   sample(1, [1, 1], [1, 1])))
+    path = tmp_path / "rollout_samples" / "step_000002.jsonl"
+    write_rollout_samples(path, 2, [group], torch.tensor([[1.0, math.nan]]))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0] == {"step": 2, "group_id": 7, "prompt_index": 3, "sample_index": 0,
+                        "prompt_tokens": 3, "completion_tokens": 5, "loss_tokens": 4,
+                        "thinking_budget": 4, "interrupted": True, "finish_reason": "stop",
+                        "versions": [[0, 2], [1, 2]], "reward": 1.0}
+    assert lines[1]["versions"] == [[1, 2]] and lines[1]["reward"] is None
+    assert not path.with_suffix(".jsonl.tmp").exists()
