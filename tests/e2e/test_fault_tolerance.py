@@ -29,7 +29,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
 from _checks import ROOT, processes_left, scalars, tiny_llama_checkpoint  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+# Several whole runs each (alone 5-7 minutes, 12-15 in the suite's five streams on two cores):
+# above pytest.ini's 900 s hang guard, below the bounds of their own waits.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 COMMON = ["logging.progress_bar=false", "eval.at_step_zero=false", "eval.interval_steps=0",
           # SGLang sizes its KV cache from the memory free before and after loading; two servers

@@ -31,7 +31,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
 from _checks import ROOT, run_train, scalars  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+# Four 16.4k-token completions, one at a time: 4 minutes alone, more in the suite's streams;
+# the run's own bound is 1800 s, pytest.ini's 900 s hang guard is raised above it.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 THINKING_BUDGET = 16384
 SOLUTION_BUDGET = 40  # the interruption phrase takes 24 tokens of it
