@@ -338,9 +338,12 @@ def _check_pipeline_run(out, metrics):
 CHAOS_SEED = int(os.environ.get("MEGATRON_RL_CHAOS_SEED", time.time_ns() % 10_000))
 
 
-def _random_engine_process(rng, generators):
+def _random_engine_process(rng, generators, *, serving_path_only=False):
     """(what, pid) of a process of a random serving engine: its SGLang server's leader, one of
-    the server's children (scheduler, detokenizer), or the Ray worker of its GeneratorActor."""
+    the server's children (scheduler, detokenizer), or the Ray worker of its GeneratorActor.
+    `serving_path_only` (for a SIGSTOP): not the detokenizer, which a server started with
+    --skip-tokenizer-init (ours) does not route outputs through: stopped, it changes nothing the
+    run could see (killed, it takes the server down with it: SGLang's child watchdog)."""
     import psutil
 
     engine = rng.choice(generators)
@@ -349,7 +352,8 @@ def _random_engine_process(rng, generators):
         "ray::GeneratorActor"))
     choices = {f"{engine['name']}'s server": leader.pid,
                f"{engine['name']}'s Ray worker": worker.pid}
-    children = leader.children(recursive=True)
+    children = [c for c in leader.children(recursive=True)
+                if not (serving_path_only and "detokenizer" in c.name())]
     if children:
         child = rng.choice(children)
         choices[f"{engine['name']}'s server child {child.name()}"] = child.pid
@@ -365,8 +369,8 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
     groups re-queued) and the run goes on with generator-1. A new generator node joins: Ray
     places generator-0's bundle there and the driver brings a new engine to the current weights
     and back into the rotation. Then a process of a random engine (its server, a child of it,
-    or its Ray worker, drawn from CHAOS_SEED) is SIGKILLed at a random moment, and the engine is
-    restarted. After the next checkpoint the trainer's node is lost: the run stops within a bound, exit status 75, one message naming the node and the checkpoint
+    or its Ray worker, drawn from CHAOS_SEED) is SIGKILLed or SIGSTOPped (also drawn) at a random
+    moment, and the engine is restarted (a stopped one once two health checks went unanswered). After the next checkpoint the trainer's node is lost: the run stops within a bound, exit status 75, one message naming the node and the checkpoint
     `--resume` loads. A new trainer node joins and `--resume` finishes the run. The ledger holds
     every group exactly once, TensorBoard shows the engines in the rotation (2, then 1, then 2),
     and no SGLang server or Ray process is left."""
@@ -427,12 +431,16 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
         # A process fault at a random moment, drawn from the seed (printed: rerun it with
         # MEGATRON_RL_CHAOS_SEED): an engine's server, one of its children, or its Ray worker.
         rng = random.Random(CHAOS_SEED)
-        what, pid = _random_engine_process(rng, processes()["generators"])
+        fault = rng.choice([signal.SIGKILL, signal.SIGSTOP])  # died, or hung
+        what, pid = _random_engine_process(rng, processes()["generators"],
+                                           serving_path_only=fault == signal.SIGSTOP)
         time.sleep(rng.uniform(0.0, 5.0))
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, fault)
         killed_at = time.time()
-        _wait_for(lambda: len(generator_faults()) >= 2, proc, f"recovery from SIGKILL of {what}")
-        timings[f"SIGKILL {what}: back after"] = generator_faults()[1]["recovered_at"] - killed_at
+        _wait_for(lambda: len(generator_faults()) >= 2, proc,
+                  f"recovery from {fault.name} of {what}")
+        timings[f"{fault.name} {what}: back after"] = generator_faults()[1]["recovered_at"] \
+            - killed_at
         back_step = max(_steps(out))
 
         def checkpoint_after_return():
