@@ -10,11 +10,8 @@ and start time, so a pid the kernel has since reused for an unrelated process is
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import time
-from pathlib import Path
 
 # A process started this long before the leader cannot be a member of its group (clock ticks).
 _START_TIME_SLACK_S = 1.0
@@ -57,29 +54,10 @@ def kill_process_group(pgid: int, *, started_after: float, timeout_s: float = 20
     return members
 
 
-def _ephemeral_port_floor() -> int:
-    """The lowest port the kernel hands out to outgoing connections (Linux default 32768)."""
-    path = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    try:
-        return int(path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def pick_rendezvous_port(host: str, *, lowest: int = 20000, attempts: int = 64) -> int:
-    """A port free on `host` for torch.distributed's TCPStore, chosen below the ephemeral range:
-    a port picked by binding port 0 comes from the range the kernel also gives outgoing
-    connections, which can take it before the store binds it (seen as EADDRINUSE in CI)."""
-    from megatron_rl.rollout.sglang_server import free_port
+    """A port free on `host` for torch.distributed's TCPStore, below the ephemeral range
+    (megatron_rl.rollout.sglang_server.listen_port: a port picked by binding port 0 can be taken
+    by an outgoing connection before the store binds it, seen as EADDRINUSE in CI)."""
+    from megatron_rl.rollout.sglang_server import listen_port
 
-    highest = _ephemeral_port_floor()
-    if highest - lowest < attempts:  # an unusual ephemeral range: let the kernel choose
-        return free_port(host)
-    for port in random.Random().sample(range(lowest, highest), k=attempts):
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    return free_port(host)
+    return listen_port(host, lowest=lowest, attempts=attempts)

@@ -292,9 +292,40 @@ def _uses_chunked_attention(model_path: str) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free now (port 0). It comes from the ephemeral range, which
+    the kernel also hands to outgoing connections: for a port a server binds later, use
+    `listen_port`."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def listen_port(host: str = "127.0.0.1", *, lowest: int = 20000, attempts: int = 64) -> int:
+    """A port free on `host` for a server that binds it a little later (an SGLang server, a
+    TCPStore), chosen below the ephemeral range: a port from `free_port` can be taken by any
+    outgoing connection on the machine before the server binds it (seen in the suite: an SGLang
+    server's "[Errno 98] address already in use", and the store's EADDRINUSE)."""
+    import random
+
+    highest = _ephemeral_port_floor()
+    if highest - lowest < attempts:  # an unusual ephemeral range: let the kernel choose
+        return free_port(host)
+    for port in random.Random().sample(range(lowest, highest), k=attempts):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
 
 
 def _log_tail(path: str | None, num_lines: int = 25) -> str:
@@ -325,7 +356,7 @@ class SGLangServer:
 
         from megatron_rl.platform.sglang_cpu import SAMPLING_SEEDS_ENV, sglang_cpu_environment
 
-        port = settings.port or free_port(settings.host)
+        port = settings.port or listen_port(settings.host)
         log_path = settings.log_path or tempfile.mkstemp(prefix="sglang_", suffix=".log")[1]
         env = dict(os.environ)
         # SGLang names its ZMQ sockets (and multiprocessing its forkserver's) with temporary

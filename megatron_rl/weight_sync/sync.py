@@ -201,14 +201,14 @@ class WeightSync:
             return DiskTransport(self.generators, directory=settings.disk_dir,
                                  config_dir=settings.hf_config_dir, stage=self.groups.pp_rank,
                                  timeout_s=settings.timeout_s)
-        from megatron_rl.rollout.sglang_server import free_port
+        from megatron_rl.rollout.sglang_server import listen_port
 
         # [port, session id]: rank 0 picks both. The id makes the group names unique per
         # WeightSync, so a group left on a generator by a crashed trainer never collides.
         shared = torch.tensor([settings.master_port or 0, 0], device=collective_device())
         if dist.get_rank() == 0:
             if settings.master_port is None:
-                shared[0] = free_port(settings.master_address)
+                shared[0] = listen_port(settings.master_address)
             shared[1] = int.from_bytes(os.urandom(3), "little")
         dist.broadcast(shared, src=0)
         port, session = int(shared[0]), int(shared[1])

@@ -319,13 +319,17 @@ class Run:
     def abort_round(self, index: int) -> dict:
         """abort: running requests end with their partial outputs (all old tokens); their
         resubmission after the update recomputes everything with the new weights."""
-        old, old_hf, new_hf = self.train()
-        old_version = self.sync.version
         self.sync.settings = dataclasses.replace(self.settings, pause_mode="abort")
-        thread, box = self.generate_round(index, old_version)
-        report = self.sync.sync()
-        thread.join(timeout=300)
-        results = box["results"]
+        for _ in range(3):  # a loaded machine: the requests may end before the abort lands
+            old, old_hf, new_hf = self.train()
+            old_version = self.sync.version
+            thread, box = self.generate_round(index, old_version)
+            report = self.sync.sync()
+            thread.join(timeout=300)
+            results = box["results"]
+            if any(r.finish_reason == "abort" for r in results):
+                break
+            self.delay_s /= 4  # all finished before the update: again, with a new step
         out = {"version": report.version, "cache_flushed": report.cache_flushed,
                "finish": [r.finish_reason for r in results],
                "lengths": [len(r.token_ids) for r in results],

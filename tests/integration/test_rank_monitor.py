@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.rollout.sglang_server import free_port
+from megatron_rl.rollout.sglang_server import listen_port
 
 pytestmark = pytest.mark.integration
 
@@ -19,7 +19,7 @@ WORKER = Path(__file__).with_name("_rank_monitor_worker.py")
 
 def test_a_hung_train_step_is_killed_by_the_rank_monitor():
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(WORKER), str(free_port())],
+    proc = subprocess.run([sys.executable, str(WORKER), str(listen_port())],
                           capture_output=True, text=True, timeout=280,
                           cwd=Path(__file__).resolve().parents[2])
     lines = proc.stdout.splitlines()

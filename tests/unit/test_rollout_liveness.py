@@ -23,7 +23,7 @@ from megatron_rl.rollout import GeneratorDeadError, GeneratorError, SamplingPara
 from megatron_rl.rollout.async_client import AsyncSGLangClient
 from megatron_rl.rollout.interruption import InterruptionSettings
 from megatron_rl.rollout.manager import RolloutManager
-from megatron_rl.rollout.sglang_server import free_port
+from megatron_rl.rollout.sglang_server import free_port, listen_port
 from megatron_rl.rollout.staleness import AdmissionGate, StalenessSettings
 
 pytestmark = pytest.mark.unit
@@ -92,7 +92,7 @@ def serving(engine: StandInEngine):
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    port = free_port()
+    port = listen_port()
 
     async def start():
         app = web.Application()

@@ -13,7 +13,7 @@ from megatron_rl.platform import sglang_cpu
 from megatron_rl.rollout import (GeneratorDeadError, GeneratorError, SamplingParams,
                                  SGLangGenerator, SGLangServerSettings, logprob_mismatch)
 from megatron_rl.rollout import sglang_server
-from megatron_rl.rollout.sglang_server import SGLangServer, free_port
+from megatron_rl.rollout.sglang_server import SGLangServer, free_port, listen_port
 
 pytestmark = pytest.mark.unit
 URL = "http://127.0.0.1:30000"
@@ -356,7 +356,7 @@ async def _stand_in_generate_server(generate):
     app.router.add_post("/generate", generate)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = free_port()
+    port = listen_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return f"http://127.0.0.1:{port}", runner
 
@@ -485,3 +485,19 @@ def test_only_the_served_architectures_model_module_is_imported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
     assert unused_model_modules(str(tmp_path)) is None
     assert unused_model_modules(str(tmp_path / "missing")) is None
+
+
+def test_a_port_a_server_binds_later_is_below_the_ephemeral_range():
+    """listen_port: an SGLang server's port (and a TCPStore's) is picked below the range the
+    kernel gives outgoing connections, which could take a port picked by binding port 0 before
+    the server binds it (the suite saw an engine fail on "[Errno 98] address already in use")."""
+    from megatron_rl.rollout.sglang_server import _ephemeral_port_floor
+
+    floor = _ephemeral_port_floor()
+    ports = {listen_port() for _ in range(20)}
+    assert all(20000 <= port < floor for port in ports), (ports, floor)
+    import socket
+
+    for port in ports:  # free when picked
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
