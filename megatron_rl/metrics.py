@@ -37,25 +37,18 @@ def write_rollout_samples(path: Path, step: int, groups: Sequence, rewards) -> N
     """One JSON line per completion the step trained on (logging.rollout_samples): its group,
     prompt, lengths, drawn thinking budget, interruption and finish reason, the versions of its
     sampled tokens (version_runs) and reward. Written whole, then renamed."""
-    import json
-    import os
+    from megatron_rl.resilience.ledger import write_jsonl
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for group, row in zip(groups, rewards.tolist()):
-            for sample, reward in zip(group.samples, row):
-                f.write(json.dumps({
-                    "step": step, "group_id": group.group_id, "prompt_index": group.prompt_index,
-                    "sample_index": sample.sample_index,
-                    "prompt_tokens": len(sample.prompt_token_ids),
-                    "completion_tokens": len(sample.token_ids),
-                    "loss_tokens": sample.num_loss_tokens,
-                    "thinking_budget": sample.thinking_budget, "interrupted": sample.interrupted,
-                    "finish_reason": sample.finish_reason,
-                    "versions": version_runs(sample.sampled_versions),
-                    "reward": None if math.isnan(reward) else reward}) + "\n")
-    os.replace(tmp, path)
+    write_jsonl(path, ({
+        "step": step, "group_id": group.group_id, "prompt_index": group.prompt_index,
+        "sample_index": sample.sample_index, "prompt_tokens": len(sample.prompt_token_ids),
+        "completion_tokens": len(sample.token_ids), "loss_tokens": sample.num_loss_tokens,
+        "thinking_budget": sample.thinking_budget, "interrupted": sample.interrupted,
+        "finish_reason": sample.finish_reason,
+        "versions": version_runs(sample.sampled_versions),
+        "reward": None if math.isnan(reward) else reward}
+        for group, row in zip(groups, rewards.tolist())
+        for sample, reward in zip(group.samples, row)))
 
 
 class RunMetrics:

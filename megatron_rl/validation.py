@@ -142,22 +142,17 @@ def write_validation_samples(path: str | os.PathLike, step: int,
     reward, passed) into `path` (written whole to a temporary file, then renamed), so that a
     run's completions can be read at every validation (`megatron-rl train` writes
     output_dir/validation_samples/step_<N>.jsonl)."""
-    import json
     from pathlib import Path
+
+    from megatron_rl.resilience.ledger import write_jsonl
 
     flat = [(r, c) for r, group in zip(records, completions) for c in group]
     if len(flat) != len(scored):
         raise ValueError(f"{len(flat)} completions but {len(scored)} scored samples")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for (record, completion), sample in zip(flat, scored):
-            f.write(json.dumps({"step": step, "prompt_id": record.prompt_id,
-                                "task": record.task, "prompt": record.prompt,
-                                "completion": completion, "reward": sample.reward,
-                                "passed": sample.passed}) + "\n")
-    os.replace(tmp, path)
+    write_jsonl(Path(path), ({"step": step, "prompt_id": record.prompt_id, "task": record.task,
+                              "prompt": record.prompt, "completion": completion,
+                              "reward": sample.reward, "passed": sample.passed}
+                             for (record, completion), sample in zip(flat, scored)))
 
 
 class HeldoutValidation:

@@ -1,5 +1,6 @@
 """Operating-system process helpers of the cluster layer: stopping every process of a process
-group (an SGLang server and the scheduler / detokenizer it spawned) and picking a rendezvous port.
+group (an SGLang server and the scheduler / detokenizer it spawned). Ports a server binds later
+come from megatron_rl.rollout.sglang_server.listen_port.
 
 `kill_process_group` exists because stopping a server's leader is not enough: when the leader has
 already exited, `SGLangServer.shutdown` returns without signalling the group. Its children die
@@ -52,12 +53,3 @@ def kill_process_group(pgid: int, *, started_after: float, timeout_s: float = 20
                 pgid, started_after=started_after):
             time.sleep(0.1)
     return members
-
-
-def pick_rendezvous_port(host: str, *, lowest: int = 20000, attempts: int = 64) -> int:
-    """A port free on `host` for torch.distributed's TCPStore, below the ephemeral range
-    (megatron_rl.rollout.sglang_server.listen_port: a port picked by binding port 0 can be taken
-    by an outgoing connection before the store binds it, seen as EADDRINUSE in CI)."""
-    from megatron_rl.rollout.sglang_server import listen_port
-
-    return listen_port(host, lowest=lowest, attempts=attempts)

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.cluster.generators import GeneratorEndpoint
-from megatron_rl.cluster.processes import pick_rendezvous_port
 from megatron_rl.cluster.remote import actor_class, gather, kill_actors
+from megatron_rl.rollout.sglang_server import listen_port
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,7 +171,7 @@ class TrainerWorker:
         import ray
 
         address = ray.util.get_node_ip_address()
-        return Rendezvous(master_addr=address, master_port=pick_rendezvous_port(address))
+        return Rendezvous(master_addr=address, master_port=listen_port(address))
 
     def setup(self, env: TrainerRankEnv, run_config, family=None,
               config_overrides: dict[str, Any] | None = None) -> None:

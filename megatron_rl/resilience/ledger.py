@@ -70,6 +70,16 @@ def record_fault(out: Path, *, kind: str, what: str, detected_at: float,
                            "recovered_at": time.time() if recovered else None, **details})
 
 
+def write_jsonl(path: Path, records: Iterable[dict]) -> None:
+    """`records` as JSON Lines into `path`, written whole to a temporary file and then renamed
+    (a reader never sees half a file); the directory is created."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in records)
+    os.replace(tmp, path)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
