@@ -46,6 +46,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "TrainConfig",
+    "WandbConfig",
     "config_reference_markdown",
     "config_to_dict",
     "config_to_yaml",
@@ -835,6 +836,29 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class WandbConfig:
+    """Weights & Biases logging, off by default. When on, the run's TensorBoard scalars, its
+    config and, at the end, its fitted scaling-curve plot also go to a W&B run
+    (megatron_rl/wandb_logging.py; needs the `wandb` package, which `make setup` installs).
+    `offline` writes the run under `dir` without network (upload it later with `wandb sync`);
+    `online` needs a W&B login (WANDB_API_KEY)."""
+
+    SECTION: ClassVar[str] = "logging.wandb"
+
+    mode: Literal["disabled", "online", "offline"] = _field(
+        "disabled", "W&B's run mode (wandb.init mode): disabled = no W&B; offline = written to "
+        "disk only, for `wandb sync` later")
+    project: str = _field("megatron_rl", "W&B project")
+    entity: str | None = _field(None, "W&B entity (user or team); null = the login's default")
+    run_name: str | None = _field(None, "W&B run name; null = the run's `name`")
+    dir: str | None = _field(None, "folder W&B writes its run files under (<dir>/wandb/); "
+                             "null = <output_dir>")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class LoggingConfig:
     """Metrics output. `tensorboard_dir` defaults to <output_dir>/tensorboard
     (RunConfig.tensorboard_dir)."""
@@ -844,11 +868,13 @@ class LoggingConfig:
     tensorboard_dir: str | None = _field(None, "TensorBoard event directory; null = "
                                          "<output_dir>/tensorboard")
     log_interval: int = _field(1, "log metrics every this many optimizer steps", ge=1)
-    progress_bar: bool = _field(True, "show a progress bar on the driver")
+    progress_bar: bool = _field(True, "show the driver's progress on stderr: a bar in a "
+                                "terminal, one plain line per step in a log file")
     rollout_samples: bool = _field(
         False, "write the shape of every trained completion to "
         "<output_dir>/rollout_samples/step_<N>.jsonl: lengths, the drawn thinking budget, "
         "interruption, the policy versions of its tokens (runs), reward; no text")
+    wandb: WandbConfig = _section(WandbConfig, "Weights & Biases (off by default)")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -1173,6 +1199,10 @@ def config_reference_markdown() -> str:
     for f in fields(RunConfig):
         if dataclasses.is_dataclass(hints[f.name]):
             lines += _markdown_section(hints[f.name], f"`{f.name}` (`{hints[f.name].__name__}`)")
+            inner = _type_hints(hints[f.name])  # sections within a section (logging.wandb)
+            lines += [line for g in fields(hints[f.name]) if dataclasses.is_dataclass(inner[g.name])
+                      for line in _markdown_section(
+                          inner[g.name], f"`{f.name}.{g.name}` (`{inner[g.name].__name__}`)")]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -8,7 +8,9 @@ so our own warnings and every unknown third-party one still show. `environment_s
 what those warnings were telling (which backends are absent). Verbose mode (`-v` on the entry
 points, or MEGATRON_RL_VERBOSE=1) keeps everything. Library code never calls this: it changes
 process-wide warning filters, which belong to the program. `report_console()` and
-`print_table()` print rich tables whole when the output is a log file rather than a terminal.
+`print_table()` print rich tables whole when the output is a log file rather than a terminal, and
+`progress()` is tqdm's bar in a terminal but plain lines in a log (a Slurm or Ray job's output,
+`make demo > log`), where a bar's carriage returns would pile every update onto one line.
 
 Call it before the first `import torch`: torch warns at import time.
 """
@@ -20,7 +22,12 @@ import importlib.util
 import logging
 import os
 import re
+import sys
+import time
 import warnings
+from collections.abc import Iterable
+from numbers import Number
+from typing import IO, Any
 
 VERBOSE_ENV = "MEGATRON_RL_VERBOSE"
 
@@ -188,8 +195,6 @@ def environment_summary() -> str:
 
 def notice(message: str, *, program: str = "megatron-rl train") -> None:
     """A line for the operator on stderr that leaves a tqdm progress bar intact."""
-    import sys
-
     from tqdm import tqdm
 
     tqdm.write(f"{program}: {message}", file=sys.stderr)
@@ -220,3 +225,115 @@ def print_table(console, table) -> None:
         console.print(table)
     finally:
         console.width = width
+
+
+# ------------------------------------------------------------------------------ progress
+
+# One log line: the fields of tqdm's bar (description, count, elapsed < remaining, rate, postfix)
+# without the bar itself.
+LINE_FORMAT = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, " \
+    "{rate_fmt}{postfix}]"
+LINE_FORMAT_NO_TOTAL = "{desc}: {n_fmt} [{elapsed}, {rate_fmt}{postfix}]"
+
+
+def is_terminal(stream: IO[str]) -> bool:
+    """Whether `stream` is an interactive terminal (where a progress bar may redraw itself)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+def progress(iterable: Iterable | None = None, *, desc: str, total: float | None = None,
+             unit: str = "it", unit_scale: bool = False, file: IO[str] | None = None,
+             disable: bool = False, line_every_s: float | None = None):
+    """A progress bar over `iterable` (or driven by `update(n)`) for our entry points, on `file`
+    (default stderr). In a terminal, tqdm's bar. Anywhere else, a `LineProgress`: one plain line
+    per update with the bar's fields and postfix, or with `line_every_s` at most one line per
+    that many seconds (for fine-grained work such as bytes converted). Both take tqdm's calls:
+    iteration, update, set_postfix, refresh, close, and the `n` attribute."""
+    file = sys.stderr if file is None else file
+    if disable or is_terminal(file):
+        from tqdm import tqdm
+
+        return tqdm(iterable, desc=desc, total=total, unit=unit, unit_scale=unit_scale,
+                    file=file, disable=disable)
+    return LineProgress(iterable, desc=desc, total=total, unit=unit, unit_scale=unit_scale,
+                        file=file, line_every_s=line_every_s)
+
+
+class LineProgress:
+    """tqdm's interface as our call sites use it, for output that is not a terminal: no carriage
+    returns and no redrawing, each line complete (the fields formatted by tqdm.format_meter).
+    A line is written when the count advances (at most once per `line_every_s` when given), on
+    `refresh()`, and on `close()` if the last advance was not written yet. `set_postfix` only
+    records its fields: they appear on the next line, as a bar shows them at its next redraw."""
+
+    def __init__(self, iterable: Iterable | None = None, *, desc: str,
+                 total: float | None = None, unit: str = "it", unit_scale: bool = False,
+                 file: IO[str] | None = None, line_every_s: float | None = None):
+        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+            total = len(iterable)
+        self.iterable, self.desc, self.total = iterable, desc, total
+        self.unit, self.unit_scale, self.line_every_s = unit, unit_scale, line_every_s
+        self.file = sys.stderr if file is None else file
+        self.n = 0
+        self.postfix = ""
+        self._start = self._last_line_t = time.monotonic()
+        self._last_line_n: float | None = None
+        self._closed = False
+
+    def __iter__(self):
+        try:
+            for item in self.iterable:
+                yield item
+                self.update(1)
+        finally:
+            self.close()
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+        if n and (self.line_every_s is None
+                  or time.monotonic() - self._last_line_t >= self.line_every_s):
+            self._line()
+
+    def set_postfix(self, ordered_dict: dict[str, Any] | None = None, refresh: bool = True,
+                    **kwargs: Any) -> None:
+        """The same text as tqdm's postfix: keyword fields sorted, numbers through
+        tqdm.format_num. Written with the next line, not now (`refresh` is accepted for
+        tqdm's signature)."""
+        from tqdm import tqdm
+
+        fields = dict(ordered_dict or {}) | {key: kwargs[key] for key in sorted(kwargs)}
+        self.postfix = ", ".join(
+            f"{key}={tqdm.format_num(value) if isinstance(value, Number) else str(value).strip()}"
+            for key, value in fields.items())
+
+    def refresh(self) -> None:
+        self._line()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._last_line_n != self.n:
+                self._line()
+
+    def format_line(self) -> str:
+        from tqdm import tqdm
+
+        return tqdm.format_meter(
+            self.n, self.total, time.monotonic() - self._start, prefix=self.desc,
+            unit=self.unit, unit_scale=self.unit_scale, postfix=self.postfix or None,
+            bar_format=LINE_FORMAT if self.total else LINE_FORMAT_NO_TOTAL)
+
+    def _line(self) -> None:
+        self.file.write(self.format_line() + "\n")
+        self.file.flush()
+        self._last_line_t, self._last_line_n = time.monotonic(), self.n

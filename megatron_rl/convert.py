@@ -331,10 +331,11 @@ def _checksum(tensor: torch.Tensor) -> str:
 
 
 def _progress(total_bytes: int, enabled: bool, description: str):
-    from tqdm import tqdm
+    """A byte bar in a terminal; in a log, one line per 10 s of conversion (console.progress)."""
+    from megatron_rl.console import progress
 
-    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=description,
-                disable=not enabled, file=sys.stderr)
+    return progress(total=total_bytes, unit="B", unit_scale=True, desc=description,
+                    disable=not enabled, file=sys.stderr, line_every_s=10.0)
 
 
 def _prepare_output(output_dir: str | os.PathLike, overwrite: bool) -> Path:

@@ -1,7 +1,10 @@
 """A training run's step metrics and where they go: the rollout metrics of a step's groups,
-generator and trainer utilisation over the window since the previous log, TensorBoard, the
-compute-scaling log, the progress bar (with the generator engines in the rotation, which a lost
-node lowers until its engines are placed again), and the compute axis of the scaling curve.
+generator and trainer utilisation over the window since the previous log, TensorBoard (and
+Weights & Biases with logging.wandb: the same scalars, the config and the scaling-curve plot;
+megatron_rl/wandb_logging.py), the compute-scaling log, the progress bar (with the generator
+engines in the rotation, which a lost node lowers until its engines are placed again; one plain
+line per step when stderr is a log file, console.progress), and the compute axis of the scaling
+curve.
 
 The compute axis (docs/pipeline.md) is device-hours spent on training: (trainer ranks + generator
 devices) x wall time since the generators started on the training groups (on CPU, processes stand
@@ -62,18 +65,27 @@ class RunMetrics:
         self._paused_busy_s = 0.0  # generator-seconds of in-flight requests held by pauses
         self._window = None
         self._progress = None
+        self._wandb = None  # the W&B run (logging.wandb), opened with the first logs
 
     def open_logs(self, *, purge_after: int | None) -> None:
-        """TensorBoard (events after `purge_after` dropped: a restored run redoes those steps)
-        and the scaling log; again after a restore."""
+        """TensorBoard (events after `purge_after` dropped: a restored run redoes those steps),
+        W&B when configured (the same W&B run across restores; a resumed run continues its
+        own) and the scaling log; again after a restore."""
         from torch.utils.tensorboard import SummaryWriter
 
+        from megatron_rl.config import config_to_dict
         from megatron_rl.scaling.log import ScalingLog
+        from megatron_rl.wandb_logging import MetricWriters, WandbRun
 
         if self.writer is not None:
             self.writer.close()
-        self.writer = SummaryWriter(self.cfg.tensorboard_dir, purge_step=None
-                                    if purge_after is None else purge_after + 1)
+        wandb_cfg = self.cfg.logging.wandb
+        if self._wandb is None and wandb_cfg.mode != "disabled":
+            self._wandb = WandbRun(wandb_cfg, config=config_to_dict(self.cfg), out=self.out,
+                                   run_name=self.cfg.name, resume=purge_after is not None)
+        self.writer = MetricWriters(SummaryWriter(
+            self.cfg.tensorboard_dir, purge_step=None if purge_after is None
+            else purge_after + 1), self._wandb)
         self.scaling_log = ScalingLog(self.out, tb_writer=self.writer)
 
     def close_progress(self) -> None:
@@ -84,6 +96,33 @@ class RunMetrics:
         self.close_progress()
         if self.writer is not None:
             self.writer.close()
+        if self._wandb is not None:
+            self._log_scaling_plot()
+            self._wandb.finish()
+            self._wandb = None
+
+    def _log_scaling_plot(self) -> None:
+        """The run's fitted compute-scaling curve (the plot `megatron-rl fit` draws) to W&B, at
+        the last validated step; a run with too few validation points for a fit says so."""
+        from megatron_rl.console import notice
+        from megatron_rl.scaling.log import OVERALL_TASK, read_scaling_log
+        from megatron_rl.scaling.plots import CurvePlot, plot_curves
+        from megatron_rl.scaling.report import fit_series
+        from megatron_rl.scaling.sigmoid import SigmoidFitConfig
+
+        config = SigmoidFitConfig(warmup_compute=self.cfg.eval.warmup_compute_gpu_hours,
+                                  num_bootstrap=0)
+        try:
+            series = read_scaling_log(self.out)[OVERALL_TASK]
+            fit = fit_series(series, config=config)
+        except (KeyError, OSError, ValueError) as err:
+            notice(f"no scaling-curve plot for W&B: {err}")
+            return
+        path = self.out / "wandb_scaling_curve.png"
+        plot_curves([CurvePlot(series=series, fit=fit, warmup_compute=config.warmup_compute)],
+                    path, title=f"{self.cfg.name}: validation pass rate vs compute")
+        self._wandb.add_image("val/scaling_curve", path,
+                              0 if series.step is None else int(series.step[-1]))
 
     # ------------------------------------------------------------------ the compute axis
 
@@ -104,13 +143,14 @@ class RunMetrics:
             self._compute_start = time.perf_counter()
 
     def progress(self, steps: Iterable[int]):
-        """The progress bar over the run's steps (and the utilisation window's start)."""
-        from tqdm import tqdm
+        """The progress bar over the run's steps (and the utilisation window's start): a bar in a
+        terminal, one line per step with the same fields in a log (console.progress)."""
+        from megatron_rl.console import progress
 
         self.start_clock()
         self._window = (time.perf_counter(), self._activity(), 0.0)
-        self._progress = tqdm(steps, desc=self.cfg.name, unit="step",
-                              disable=not self.cfg.logging.progress_bar)
+        self._progress = progress(steps, desc=self.cfg.name, unit="step",
+                                  disable=not self.cfg.logging.progress_bar)
         return self._progress
 
     # ------------------------------------------------------------------ a step's metrics

@@ -4,6 +4,10 @@ event loop, and the outputs. `RunSetup.start(cfg)` brings everything up in order
 found before anything is written to output_dir) and the context exit tears it down in reverse,
 also after an error, so no SGLang server, Ray worker or verifier process outlives the run.
 
+While an error unwinds the run (a lost node, say), a failure of the teardown is reported in one
+line and never replaces it; a start that fails because a node of the run was lost stops with
+NodeLost (cluster/launch.py).
+
 Each concern the driver calls has a room of its own, which RunSetup connects: generator health,
 reward-worker faults and trainer failures in resilience/recovery.py; run checkpoints in
 resilience/run_checkpoints.py; pushing weights (and colocated release / resume) in
@@ -42,16 +46,41 @@ class RunSetup:
         run = cls(cfg)
         try:
             run._start()
-        except BaseException:
-            run._stack.close()
+        except Exception as failure:
+            cluster = getattr(run, "cluster", None)
+            try:  # a lost node stops the run as such, whatever step of the start it broke
+                if cluster is not None and not isinstance(failure, RunStopped):
+                    cluster.stop_if_node_lost(cfg, failure)
+            except RunStopped as lost:
+                run._tear_down(lost)
+                raise
+            run._tear_down(failure)
+            raise
+        except BaseException as stopped:
+            run._tear_down(stopped)
             raise
         return run
 
     def __enter__(self) -> "RunSetup":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._stack.close()
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        self._tear_down(exc)
+
+    def _tear_down(self, unwinding: BaseException | None) -> None:
+        """Stop everything started, newest first. While `unwinding` (the error that ends the
+        run) propagates, a teardown failure is one line on the console, not a replacement for
+        it: a lost node's engines cannot confirm their stop, which must not turn a NodeLost
+        (exit status 75) into a traceback."""
+        if unwinding is None:
+            self._stack.close()
+            return
+        try:
+            self._stack.close()
+        except Exception as failure:  # noqa: BLE001 (reported; the unwinding error stands)
+            detail = " ".join(str(failure).split())[:500]
+            notice(f"stopping the run's processes after {type(unwinding).__name__}: "
+                   f"{type(failure).__name__}: {detail}")
 
     def _start(self) -> None:
         from transformers import AutoTokenizer
@@ -69,6 +98,7 @@ class RunSetup:
         resume = resume_point(cfg, self.out, self.checkpoint_root)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
         self._load_data()
+        self._reserve_open_files()
         self.out.mkdir(parents=True, exist_ok=True)  # the inputs are good: outputs from here
         save_config(cfg, str(self.out / "config.yaml"))
         state = read_run_state(resume) if resume is not None else None
@@ -99,6 +129,17 @@ class RunSetup:
         self.math_verifier, self.registry = start_run_verifiers(self.cfg, self._stack)
         self.verifier_failures = VerifierFailureCounter.from_run_config(self.cfg)
         self.data = load_run_prompts(self.cfg, self.tokenizer, self.registry)
+
+    def _reserve_open_files(self) -> None:
+        """A socket per request in flight (the engines hold the queue, async_client.py): the
+        training groups the staleness bound admits and a validation's requests, at once."""
+        from megatron_rl.rollout.async_client import reserve_open_files
+        from megatron_rl.rollout.staleness import StalenessSettings
+
+        cfg = self.cfg
+        reserve_open_files(StalenessSettings.from_run_config(cfg).max_outstanding_groups
+                           * cfg.rollout.samples_per_prompt
+                           + len(self.data.heldout_records) * cfg.eval.samples_per_prompt)
 
     def _start_checkpoint(self, model_dir: str) -> str:
         """model.hf_checkpoint as a Megatron checkpoint (converted once per run directory)."""
@@ -194,7 +235,9 @@ class RunSetup:
         of the run if there is none): the steps since are redone. The generators keep their
         engines and receive the restored weights. Bounded by train.max_trainer_restarts."""
         failed_step = self.step + 1
-        detected = self.trainer_restarts.begin(failure, failed_step=failed_step)
+        detected = self.trainer_restarts.begin(  # a lost node first: it is no restart
+            failure, failed_step=failed_step,
+            stop_if_node_lost=lambda: self.cluster.stop_if_trainer_node_lost(self.cfg))
         self.cluster.restart_trainers(self.cfg)
         self.checkpoints.abandon_pending()  # its shards died with their writer: left partial
         self.loop.call(self.manager.stop())
@@ -223,7 +266,7 @@ class RunSetup:
         """The step's groups; while waiting, the generators are health-checked and any that
         failed is restarted (the others keep generating)."""
         started = time.perf_counter()
-        groups = self.health.wait(self.manager.take(num_groups))
+        groups = self.health.wait(self.manager.take(num_groups), put_back=self.manager.put_back)
         self._wait_s = time.perf_counter() - started
         return groups
 

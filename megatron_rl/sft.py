@@ -333,14 +333,16 @@ def run_sft(settings: SFTSettings) -> SFTResult:
 def _train(trainer, encoded, settings: SFTSettings, *, num_steps: int, output: Path,
            log: bool) -> list[float]:
     from torch.utils.tensorboard import SummaryWriter
-    from tqdm import tqdm
+
+    from megatron_rl.console import progress
 
     writer = SummaryWriter(str(output / "tensorboard")) if log else None
     losses = []
     batches = batch_indices(len(encoded), batch_size=settings.batch_size, num_steps=num_steps,
                             seed=settings.seed)
-    bar = tqdm(batches, total=num_steps, desc="sft", unit="step", file=sys.stderr,
-               disable=not (log and settings.progress_bar))
+    # a bar in a terminal, one line per step in a log (console.progress)
+    bar = progress(batches, total=num_steps, desc="sft", unit="step", file=sys.stderr,
+                   disable=not (log and settings.progress_bar))
     try:
         for step, indices in enumerate(bar, start=1):
             metrics = trainer.train_step(sft_batch(encoded, indices))

@@ -179,6 +179,7 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as err:
         print(f"megatron-rl train: error: {err}", file=sys.stderr)
         return 2
+    from megatron_rl.cluster.runtime import ClusterError
     from megatron_rl.resilience.recovery import RunStopped
     from megatron_rl.rollout.manager import RolloutError
 
@@ -193,6 +194,9 @@ def main(argv: Sequence[str]) -> int:
     except StopRequested as stopped:  # a SIGTERM / SIGINT abandoned a start-up or teardown wait
         print(f"megatron-rl train: stopped: {stopped}", file=sys.stderr)
         return 128 + stopped.signal
+    except ClusterError as err:  # Ray could not be started or joined, or its teardown failed
+        print(f"megatron-rl train: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

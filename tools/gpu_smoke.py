@@ -4,8 +4,29 @@ JSON record per stage, the stages in an order where the first failure names its 
 
 Usage: python tools/gpu_smoke.py [--output runs/gpu_smoke.jsonl] [--stages a,b,...]
        python tools/gpu_smoke.py --dry-run [--cpu]          # CPU: CI and the image build
+       python tools/gpu_smoke.py --tier bare --output-dir runs/bare   # a bare GPU machine
+       python tools/gpu_smoke.py --tier bare --dry-run [--cpu]        # CPU
 
-Stages (each on the project's own code paths; the model is a tiny Llama-4, written here with
+Two tiers. `image` (the default, below) runs in the GPU image, SGLang and Transformer Engine
+included: a real cluster's check. `bare` runs where only PyTorch is installed (torch 2.11 for
+CUDA 13, Python 3.12, no network) plus the wheels tools/bare_wheels.py carries (megatron-core,
+numpy, transformers' configs and their requirements; under 64 MiB), in under 8 minutes
+(BARE_BUDGET_S): 1. bare_imports (torch, CUDA, NCCL, megatron.core; which image packages are
+absent); 2. bare_trainer: RLTrainer on CUDA with NCCL, the tiny Llama-4 on the local spec in fp32
+and bf16 (random weights from the seed), `score` with and without a padding micro-batch and
+`train_step` on uneven lengths, the log-probs against `plain_logprobs` (the same model one
+sequence at a time with a plain FP32 log-softmax head); 3. logprob_op: the FP32 chunked log-prob
+op against a plain FP32 log-softmax at Scout's hidden size and vocabulary (values, input
+gradients, time, peak memory against the op's documented bound); 4. device_collectives: the
+trainer's NCCL group reduces / broadcasts / gathers tensors on the collective device, and
+micro-batches reach the device; 5. offload: the colocated offload lowers memory_allocated by what
+it reports, counted independently, and the reload restores it; 6. bare_moe_layer: one
+Scout-width MoE layer (local spec) measured against the planner's per-layer figure. What the bare
+tier does not cover: SGLang (generation, weight sync into an engine, the memory saver, chunked
+attention in an engine), Transformer Engine (its spec, FP8, `_extra_state` in checkpoints) and
+loading an HF checkpoint.
+
+Image-tier stages (each on the project's own code paths; the model is a tiny Llama-4, written with
 transformers, converted with megatron_rl.convert, served by SGLang from the layout
 `models/llama4/convert.write_sglang_layout` writes):
 1. imports: sgl_kernel, flashinfer, transformer_engine.pytorch and megatron.core import (a kernel
@@ -23,17 +44,23 @@ transformers, converted with megatron_rl.convert, served by SGLang from the layo
    of the same weights (the fp32 local-spec run anchors that reference). Micro-batch lengths must
    be multiples of the FP8 alignment.
 3. sglang: an SGLang CUDA engine of the same model (Llama4ForConditionalGeneration: the loader
-   that un-fuses the experts), its teacher-forced log-probs against the trainer's token by token:
-   as loaded, after a train step (stale), after a sync over the distributed transport (gloo: two
-   NCCL ranks cannot share one GPU, and gloo carries CUDA tensors), and after a second train step
-   and a sync over the in-memory transport (CUDA IPC) with buckets small enough to reuse buffers.
+   that un-fuses the experts) on the attention backend megatron_rl's rule picks (fa3 on Hopper;
+   on Blackwell SGLang 0.5.23 has none that honours Llama-4's chunk, and stages 3-4 record the
+   refusal), its log-probs per position before and past the attention chunk against
+   transformers' fp32 forward, and its teacher-forced log-probs against the trainer's token by
+   token: as loaded, after a train step (stale), after a sync over the distributed transport
+   (gloo: two NCCL ranks cannot share one GPU, and gloo carries CUDA tensors), and after a second
+   train step and a sync over the in-memory transport (CUDA IPC) with buckets small enough to
+   reuse buffers.
 4. colocated: an engine with SGLang's memory saver beside the trainer: release -> train_step ->
    the trainer offloads (RLTrainer.offload_training_state) -> resume the weights -> sync ->
    resume the KV cache -> generate -> the trainer reloads -> train_step, with
    torch.cuda.mem_get_info at each point (the release must hand the engine's memory back, the
    sync must land). The offload must lower torch.cuda.memory_allocated by the gradient buffers,
    Adam state and FP32 main copies it reports (counted independently before it), the reload
-   must raise it by as much, and the sync, scoring and the next step must work around it.
+   must raise it by as much, and the sync, scoring and the next step must work around it. The
+   engine's log-probs after the release / resume cycle against the trainer's catch a q/k-norm
+   weight lost at the release (the engine starts with --enable-weights-cpu-backup for that).
 5. moe_layer: one MoE layer at Scout's widths (TE spec, bf16): the bytes its forward saves for the
    backward and its peak, against the planner's per-layer figure
    (megatron_rl.scaling.plan.layer_activation_bytes).
@@ -52,11 +79,11 @@ local spec, fp32 and bf16; FP8 is GPU only).
 UNVERIFIED: no GPU was available when this was written; it follows SGLang 0.5.23's and
 megatron-core 0.19.2's source. Stages 3 and 4 ran on CPU against SGLang's CPU engine (local-spec
 trainer; memory figures stubbed) and stage 2 runs there in CI; on a GPU nothing has been seen yet,
-in particular: SGLang's triton attention backend serving the tiny model (head_dim 32: we read
-FA3 and trtllm_mha, SGLang's Llama-4 defaults, as built for head sizes of 64 and more) and
-`--cuda-graph-max-bs-decode`; Transformer Engine's chunked core attention and grouped FP8 experts
-at these widths; SGLang's receiving side of a gloo weight-update group with CUDA tensors; the
-memory saver's effect as mem_get_info sees it; the Scout layer's forward through
+in particular: SGLang's fa3 backend serving the tiny model (head_dim 32: FA3's kernels round
+head sizes up to 64, flash_api round_up_headdim) and `--cuda-graph-max-bs-decode`; SGLang's
+weights CPU backup across a release; Transformer Engine's chunked core attention and grouped
+FP8 experts at these widths; SGLang's receiving side of a gloo weight-update group with CUDA
+tensors; the memory saver's effect as mem_get_info sees it; the Scout layer's forward through
 `set_input_tensor`; and every tolerance (LOGP_TOLERANCE, SYNC_TOLERANCE, MIN_RELEASED_FRACTION,
 PLANNER_UNDERESTIMATE). Set them from the first real run's records.
 """
@@ -87,10 +114,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-STAGES = ("imports", "trainer", "sglang", "colocated", "moe_layer")
+STAGES = ("imports", "trainer", "sglang", "colocated", "moe_layer")  # the image tier
 STAGE_BUDGET_S = {"imports": 60, "trainer": 150, "sglang": 180, "colocated": 150,
                   "moe_layer": 60}
 TIME_LIMIT_S = sum(STAGE_BUDGET_S.values())  # 10 minutes
+# The bare tier (--tier bare): a GPU machine with only its own PyTorch and what
+# tools/bare_wheels.py carries (no SGLang, Transformer Engine, apex, transformers; no network).
+BARE_STAGES = ("bare_imports", "bare_trainer", "logprob_op", "device_collectives", "offload",
+               "bare_moe_layer")
+BARE_BUDGET_S = {"bare_imports": 30, "bare_trainer": 150, "logprob_op": 60,
+                 "device_collectives": 30, "offload": 60, "bare_moe_layer": 90}
+BARE_TIME_LIMIT_S = sum(BARE_BUDGET_S.values())  # 7 minutes, under the 8 the tier promises
+TIERS = {"image": STAGES, "bare": BARE_STAGES}
 IMPORTS = ("sgl_kernel", "flashinfer", "transformer_engine.pytorch", "megatron.core")
 
 # The tiny Llama-4 of stages 2-4: the registry's "demo" size (Scout's mechanisms; hidden 128,
@@ -100,9 +135,11 @@ IMPORTS = ("sgl_kernel", "flashinfer", "transformer_engine.pytorch", "megatron.c
 # initializer_range (0.02: at 0.1 the random sequences' tokens sit deep in the tails, where bf16
 # activations move a log-prob by up to 2 nats, seen on CPU).
 TINY_SIZE = "demo"
-# SGLang picks FA3 (Hopper) or trtllm_mha (Blackwell) for Llama-4, which compile head sizes of 64
-# and more; its triton backend (also allowed for Llama-4) takes head_dim 32.
-TINY_ATTENTION_BACKEND = "triton"
+# None: megatron_rl's rule for chunked attention (rollout/sglang_server.py gpu_attention_backend):
+# fa3 on Hopper (its kernels round head_dim 32 up to their 64 instantiation); a Blackwell GPU has
+# no SGLang 0.5.23 backend that honours Llama-4's chunk, and stages 3-4 record the refusal.
+# (triton, picked here before, attends to the whole prefix: every token past the chunk wrong.)
+TINY_ATTENTION_BACKEND = None
 # (prompt, completion) lengths: uneven, none a multiple of 8, all longer than one chunk.
 SEQUENCE_LENGTHS = ((8, 50), (12, 61), (5, 74), (9, 45), (16, 67), (11, 56))
 MICRO_BATCH_MAX_TOKENS = 160  # several micro-batches of uneven lengths
@@ -120,6 +157,14 @@ MIN_RELEASED_FRACTION = 0.5  # of the engine's memory that a release must hand b
 # fraction, plus the allocator's rounding (512-byte blocks; 1 MiB in all).
 OFFLOAD_TOLERANCE = (0.05, 2**20)
 PLANNER_UNDERESTIMATE = 1.25  # measured saved bytes may exceed the planner's by this factor
+# Bare tier: the trainer's packed, micro-batched, chunked-head log-probs against a plain forward
+# of the same model, one sequence at a time, with a plain log-softmax head: (mean, max).
+BARE_LOGP_TOLERANCE = {"fp32": (1e-3, 1e-2), "bf16": (0.05, 0.5)}
+# The FP32 chunked log-prob op against a plain FP32 log-softmax: (tokens, hidden, vocab) on GPU
+# (Scout's hidden and vocabulary) and on CPU; values and input gradients within these.
+LOGPROB_OP_SHAPE = {"gpu": (4096, 5120, 202048), "cpu": (256, 64, 4096)}
+LOGPROB_OP_CHUNK = 1024
+LOGPROB_OP_TOLERANCE = {"logp_max_abs": 2e-3, "grad_max_rel": 2e-2}
 
 
 class SmokeFailure(RuntimeError):
@@ -146,6 +191,7 @@ class Context:
 
     mode: str  # gpu | dry_run | cpu
     work: Path
+    tier: str = "image"  # image | bare
     model: "TinyModel | None" = None
     trainer: object | None = None
     generators: list = dataclasses.field(default_factory=list)  # shut down at the end
@@ -455,10 +501,16 @@ def _tolerance(fields: dict) -> tuple[float, float]:
 def run_precision(ctx: Context, name: str, fields: dict, batch) -> dict:
     """One precision through RLTrainer: load, score with and without a padding micro-batch,
     micro-batch lengths, train_step."""
+    trainer = build_trainer(ctx.model, trainer_settings(**fields))
+    return exercise_trainer(ctx, name, fields, trainer, batch, tolerance=_tolerance(fields))
+
+
+def exercise_trainer(ctx: Context, name: str, fields: dict, trainer, batch, *,
+                     tolerance: tuple[float, float]) -> dict:
+    """`trainer` (a padded_trainer_class instance) scores `batch` (its old log-probs the
+    reference) with and without a padding micro-batch, then takes a train_step; released after."""
     import torch
 
-    model = ctx.model
-    trainer = build_trainer(model, trainer_settings(**fields))
     out: dict = {"settings": {k: str(v) for k, v in fields.items()}}
     try:
         out["backend"] = str(torch.distributed.get_backend())
@@ -484,9 +536,9 @@ def run_precision(ctx: Context, name: str, fields: dict, batch) -> dict:
                and padded["num_tokens"] == base["num_tokens"]
                and math.isclose(padded["abs_sum"], base["abs_sum"], rel_tol=1e-5, abs_tol=1e-6),
                f"{name}: a padding micro-batch changed the statistics", out)
-        mean_tol, max_tol = _tolerance(fields)
+        mean_tol, max_tol = tolerance
         expect(base["mean_abs"] <= mean_tol and base["max_abs"] <= max_tol,
-               f"{name}: log-probs differ from transformers' fp32 forward by mean "
+               f"{name}: log-probs differ from the reference by mean "
                f"{base['mean_abs']:.3g} / max {base['max_abs']:.3g} (tolerance {mean_tol} / "
                f"{max_tol})", out)
         metrics = trainer.train_step(batch)
@@ -669,6 +721,36 @@ def hf_weight_bytes(model: TinyModel) -> tuple[int, int]:
     return sum(t.numel() * 2 for t in state.values()), len(state)
 
 
+def by_position(logprobs: list, reference: list, chunk: int) -> dict:
+    """|logp - logp_ref| (mean, max) over the positions before the attention chunk ends and past
+    it (position t >= 1 of each sequence; entry t - 1 of both lists): an engine that ignores
+    Llama-4's chunked attention agrees before the chunk and not past it."""
+    import torch
+
+    diffs = {"within_chunk": [], "past_chunk": []}
+    for lp, ref in zip(logprobs, reference):
+        diff = (torch.as_tensor(lp).float().cpu() - ref.float().cpu()).abs()
+        diffs["within_chunk"].append(diff[:chunk - 1])
+        diffs["past_chunk"].append(diff[chunk - 1:])
+    out = {}
+    for part, values in diffs.items():
+        values = torch.cat(values)
+        out[part] = {"mean_abs": float(values.mean()) if values.numel() else 0.0,
+                     "max_abs": float(values.max()) if values.numel() else 0.0,
+                     "num_tokens": int(values.numel())}
+    return out
+
+
+def chunked_attention_refusal(ctx: Context) -> str | None:
+    """Why megatron_rl refuses an engine of the tiny Llama-4 on this GPU (its chunked attention
+    has no backend here: Blackwell, SGLang 0.5.23), or None."""
+    try:
+        server_settings(ctx, memory_saver=False, name="probe").server_args(port=30000)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def check_sglang(ctx: Context) -> dict:
     model = tiny_model(ctx, weights=False)
     result = {}
@@ -677,7 +759,13 @@ def check_sglang(ctx: Context) -> dict:
         parsed = parse_with_sglang(args)
         result[f"server_{name}"] = {"args": args, "parsed": {k: str(parsed[k]) for k in (
             "device", "dtype", "mem_fraction_static", "enable_fp32_lm_head",
-            "enable_memory_saver", "cuda_graph_max_bs_decode")}}
+            "enable_memory_saver", "cuda_graph_max_bs_decode", "attention_backend",
+            "enable_weights_cpu_backup")}}
+        expect(parsed["attention_backend"] == "fa3", f"the {name} engine of the chunked-attention "
+               f"model gets attention backend {parsed['attention_backend']!r}, not fa3", result)
+    expect(result["server_colocated"]["parsed"]["enable_weights_cpu_backup"] == "True",
+           "the colocated Llama-4 engine would lose its q/k-norm weight at a release (no "
+           "--enable-weights-cpu-backup)", result)
     num_bytes, num_tensors = hf_weight_bytes(model)
     small = sync_settings("tensor")
     result["syncs"] = {kind: {"transport": s.transport, "backend": s.backend,
@@ -718,17 +806,31 @@ def stage_sglang(ctx: Context) -> dict:
     from megatron_rl.weight_sync import WeightSync
 
     model = tiny_model(ctx)
+    if refusal := chunked_attention_refusal(ctx):  # correct by construction: no engine here
+        return {"refused": refusal}
     sequences = model.sequences
     started = time.perf_counter()
     generator = launch_generator(ctx, memory_saver=False, name="sglang")
     result = {"server_start_s": time.perf_counter() - started}
     trainer = bf16_trainer(ctx)
-    reference_batch = make_batch(sequences, reference_logprobs(model))
+    reference = reference_logprobs(model)
+    reference_batch = make_batch(sequences, reference)
     result["as_loaded"] = against_generator(trainer, generator, sequences)
     mean_tol, max_tol = SYNC_TOLERANCE
     expect(result["as_loaded"]["mean_abs"] <= mean_tol, "SGLang's weights as loaded from the HF "
            f"folder differ from the trainer's: mean |dlogp| {result['as_loaded']['mean_abs']:.3g}"
            " (loader names / expert un-fusing / q-k permutation)", result)
+    # Per position against transformers' fp32 forward (which honours the chunk): past the chunk
+    # an engine that attends to the whole prefix serves another model.
+    chunk = model.hf_config["attention_chunk_size"]
+    positions = result["as_loaded_by_position"] = by_position(generator.score(sequences),
+                                                              reference, chunk)
+    expect(positions["past_chunk"]["num_tokens"] > 0
+           and positions["past_chunk"]["mean_abs"] <= mean_tol
+           and positions["past_chunk"]["max_abs"] <= max_tol,
+           f"SGLang's log-probs past the attention chunk ({chunk}) differ from transformers' by "
+           f"{positions['past_chunk']} (within it: {positions['within_chunk']}): the engine's "
+           "attention backend ignores Llama-4's chunked attention", result)
     for index, kind in enumerate(("distributed", "tensor"), start=1):
         trainer.train_step(reference_batch)  # the trainer moves away from the engine
         entry = {"stale": against_generator(trainer, generator, sequences)}
@@ -808,6 +910,8 @@ def stage_colocated(ctx: Context) -> dict:
     from megatron_rl.weight_sync import WeightSync
 
     model = tiny_model(ctx)
+    if refusal := chunked_attention_refusal(ctx):
+        return {"refused": refusal}
     sequences = model.sequences
     trainer = bf16_trainer(ctx)
     reference_batch = make_batch(sequences, reference_logprobs(model))
@@ -841,7 +945,11 @@ def stage_colocated(ctx: Context) -> dict:
     result["generated_tokens"] = sum(len(o.token_ids) for o in outputs)
     result["generated_logprobs_finite"] = all(math.isfinite(x) for o in outputs
                                               for x in o.logprobs)
-    result["after_cycle"] = against_generator(trainer, generator, sequences)  # still offloaded
+    # Still offloaded. A q/k-norm weight lost at the release (issue 39.3) shows here: the
+    # engine's RoPE layers then scale q and k by whatever the memory held.
+    result["after_cycle"] = against_generator(trainer, generator, sequences)
+    result["weights_cpu_backup"] = "--enable-weights-cpu-backup" in server_settings(
+        ctx, memory_saver=True, name="colocated").server_args(port=30000)
     points["before_reload"] = mem_info()
     trainer.reload_training_state()
     points["trainer_reloaded"] = mem_info()
@@ -907,14 +1015,15 @@ def planner_layer_bytes(config, tokens: int) -> dict:
     return {"parts": parts, "total": sum(parts.values())}
 
 
-def check_moe_layer(ctx: Context) -> dict:
+def check_moe_layer(ctx: Context, *, use_transformer_engine: bool = True) -> dict:
     from megatron_rl.platform import activate_cpu_compat
 
     activate_cpu_compat()
     from models import get_model_family
 
-    config = scout_moe_layer_config(use_transformer_engine=True)
-    spec = get_model_family("llama4").layer_spec(config, use_transformer_engine=True, pp_rank=0)
+    config = scout_moe_layer_config(use_transformer_engine=use_transformer_engine)
+    spec = get_model_family("llama4").layer_spec(
+        config, use_transformer_engine=use_transformer_engine, pp_rank=0)
     plan = planner_layer_bytes(config, SCOUT_MOE_TOKENS)
     result = {"hidden_size": config.hidden_size, "num_moe_experts": config.num_moe_experts,
               "moe_ffn_hidden_size": config.moe_ffn_hidden_size, "tokens": SCOUT_MOE_TOKENS,
@@ -925,7 +1034,7 @@ def check_moe_layer(ctx: Context) -> dict:
     return result
 
 
-def stage_moe_layer(ctx: Context) -> dict:
+def stage_moe_layer(ctx: Context, *, use_transformer_engine: bool = True) -> dict:
     import torch
 
     from megatron_rl.trainer import ParallelLayout, init_parallel
@@ -933,9 +1042,10 @@ def stage_moe_layer(ctx: Context) -> dict:
 
     release(ctx, "trainer")
     init_parallel(ParallelLayout(), seed=1234)
-    config = scout_moe_layer_config(use_transformer_engine=True)
+    config = scout_moe_layer_config(use_transformer_engine=use_transformer_engine)
     layer = get_model_family("llama4").build_model(
-        config, pre_process=False, post_process=False, use_transformer_engine=True).cuda()
+        config, pre_process=False, post_process=False,
+        use_transformer_engine=use_transformer_engine).cuda()
     tokens = SCOUT_MOE_TOKENS
     generator = torch.Generator(device="cpu").manual_seed(0)
     hidden = (torch.randn(tokens, 1, config.hidden_size, generator=generator) * 0.5).to(
@@ -961,7 +1071,8 @@ def stage_moe_layer(ctx: Context) -> dict:
     output.float().square().mean().backward()
     torch.cuda.synchronize()
     plan = planner_layer_bytes(config, tokens)
-    result = {"tokens": tokens, "saved_bytes": sum(saved.values()),
+    result = {"tokens": tokens, "transformer_engine": use_transformer_engine,
+              "saved_bytes": sum(saved.values()),
               "forward_allocated_bytes": after_forward,
               "peak_bytes": torch.cuda.max_memory_allocated() - base,
               "planner_bytes": plan["total"], "planner_parts": plan["parts"]}
@@ -975,16 +1086,331 @@ def stage_moe_layer(ctx: Context) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- the bare tier
+
+def bare_settings(*, precision: str, offload: bool = False):
+    """The tiny Llama-4's trainer on the local spec (no Transformer Engine on a bare machine),
+    random weights from the seed (no checkpoint: converting one needs safetensors and
+    transformers, which the bare machine lacks)."""
+    settings = trainer_settings(precision=precision, use_transformer_engine=False)
+    return dataclasses.replace(settings, offload_between_steps=offload)
+
+
+def bare_sequences() -> list[list[int]]:
+    import torch
+
+    vocab = tiny_hf_config()["vocab_size"]
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab - 1, (p + c,), generator=generator).tolist()
+            for p, c in SEQUENCE_LENGTHS]
+
+
+def plain_logprobs(trainer, sequences: list[list[int]]) -> list:
+    """The trainer's model, one sequence at a time (no packing, no micro-batches, no padding),
+    with a plain FP32 log-softmax over the whole vocabulary for a head: log p(seq[t] | seq[:t])
+    for t >= 1, [len - 1] per sequence. The reference for the trainer's own score."""
+    import torch
+
+    from megatron_rl.platform import device
+    from megatron_rl.trainer.model import unwrap
+
+    gpt = unwrap(trainer.model)
+    gpt.eval()
+
+    def head(*, hidden_states, output_layer, output_weight, **_):
+        weight = output_weight if output_weight is not None else output_layer.weight
+        logits = hidden_states[:, 0].float() @ weight.float().t()  # [s, vocab]
+        return torch.log_softmax(logits, dim=-1)
+
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            ids = torch.tensor([seq], device=device())
+            positions = torch.arange(len(seq), device=device())[None]
+            logp = gpt(ids, positions, None, padding_mask=torch.zeros_like(ids, dtype=torch.bool),
+                       output_processor=head)
+            out.append(logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].float().cpu())
+    return out
+
+
+def stage_bare_imports(ctx: Context) -> dict:
+    """What a bare GPU machine has: torch and its CUDA / NCCL, megatron.core from the carried
+    wheels, and none of SGLang, Transformer Engine, apex, transformers (reported, not needed)."""
+    import torch
+
+    import megatron_rl  # noqa: F401  (before megatron.core: megatron_rl/_nvrx_compat.py)
+    import megatron.core  # noqa: F401
+    from megatron_rl.platform import environment
+
+    result = {"python": platform.python_version(), "torch": torch.__version__,
+              "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+              "megatron_core": _version("megatron-core"), "numpy": _version("numpy"),
+              "absent": {name: not _find(name) for name in (
+                  "sglang", "transformer_engine", "apex", "transformers", "safetensors")},
+              "fabric": environment.host_fabric(),
+              "trainer_environment": environment.trainer_environment(cuda_ipc=False)}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        result.update(gpu=props.name, compute_capability=f"{props.major}.{props.minor}",
+                      gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                      nccl=".".join(map(str, torch.cuda.nccl.version())))
+    if ctx.mode == "gpu":
+        expect(torch.distributed.is_nccl_available(), "this torch has no NCCL", result)
+    return result
+
+
+def stage_bare_trainer(ctx: Context) -> dict:
+    """RLTrainer on the platform's device and collectives (NCCL on a GPU), local spec, fp32 and
+    bf16: score and train_step on uneven lengths, a padding micro-batch changing nothing, the
+    log-probs against `plain_logprobs` of the same model."""
+    sequences = bare_sequences()
+    result = {"sequence_lengths": [len(s) for s in sequences],
+              "attention_chunk_size": tiny_hf_config()["attention_chunk_size"], "precisions": {}}
+    for precision in ("fp32", "bf16"):
+        name = f"{precision}_local"
+        fields = dict(precision=precision, use_transformer_engine=False)
+        trainer = padded_trainer_class()(bare_settings(precision=precision))
+        batch = make_batch(sequences, plain_logprobs(trainer, sequences))
+        try:
+            result["precisions"][name] = exercise_trainer(
+                ctx, name, fields, trainer, batch, tolerance=BARE_LOGP_TOLERANCE[precision])
+        except SmokeFailure as failure:
+            result["precisions"][name] = failure.result
+            raise SmokeFailure(str(failure), result) from None
+        finally:
+            del trainer
+            release(ctx)
+    return result
+
+
+def check_bare_trainer(ctx: Context) -> dict:
+    """Dry run: the settings and packed micro-batch lengths of both precisions."""
+    from megatron_rl.platform import activate_cpu_compat
+
+    activate_cpu_compat()
+    import torch
+
+    from megatron_rl.trainer import pack_micro_batches
+    from megatron_rl.trainer.batch import sequence_pad_multiple
+
+    sequences = bare_sequences()
+    lengths = [len(s) for s in sequences]
+    chunk = tiny_hf_config()["attention_chunk_size"]
+    batch = make_batch(sequences, [torch.zeros(n - 1) for n in lengths])
+    result = {"sequence_lengths": lengths, "attention_chunk_size": chunk, "precisions": {}}
+    expect(min(lengths) > chunk, f"sequences {lengths} must be longer than the chunk", result)
+    for precision in ("fp32", "bf16"):
+        settings = bare_settings(precision=precision)
+        packed = pack_micro_batches(batch, list(range(len(lengths))),
+                                    max_tokens=settings.micro_batch_max_tokens,
+                                    pad_to_multiple=sequence_pad_multiple())
+        result["precisions"][f"{precision}_local"] = {
+            "use_transformer_engine": settings.use_transformer_engine,
+            "micro_batch_lengths": [int(m.input_ids.shape[-1]) for m in packed]}
+        expect(len(packed) > 1 and not settings.use_transformer_engine,
+               f"{precision}: one micro-batch, or the TE spec", result)
+    return result
+
+
+def stage_logprob_op(ctx: Context) -> dict:
+    """megatron_rl.ops.chunked_logprobs (FP32 head, bf16 inputs) against a plain FP32
+    log-softmax: the log-probs and the input gradients, the time of each, and on a GPU the peak
+    memory each adds (the op's docstring bounds its own)."""
+    import torch
+
+    from megatron_rl.ops import chunked_logprobs
+    from megatron_rl.platform import device
+
+    gpu = ctx.mode == "gpu"
+    tokens, hidden_size, vocab = LOGPROB_OP_SHAPE["gpu" if gpu else "cpu"]
+    where = device() if gpu else torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(tokens, hidden_size, generator=generator)).to(where, torch.bfloat16)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * hidden_size ** -0.5).to(
+        where, torch.bfloat16)
+    targets = torch.randint(0, vocab, (tokens,), generator=generator).to(where)
+
+    def measure(fn) -> dict:
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        if gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if gpu else 0
+        started = time.perf_counter()
+        logp = fn(h, w)
+        logp.sum().backward()
+        if gpu:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        peak = torch.cuda.max_memory_allocated() - base if gpu else None  # before the copies
+        return {"seconds": seconds, "peak_extra_bytes": peak, "logp": logp.detach().float(),
+                "grad_hidden": h.grad.float(), "grad_weight": w.grad.float()}
+
+    def plain(h, w):
+        logits = h.float() @ w.float().t()  # [tokens, vocab] FP32
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+    reference = measure(plain)
+    chunked = measure(lambda h, w: chunked_logprobs(h, w, targets, chunk_size=LOGPROB_OP_CHUNK,
+                                                    compute_entropy=False)[0])
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    result = {"shape": {"tokens": tokens, "hidden": hidden_size, "vocab": vocab},
+              "chunk_size": LOGPROB_OP_CHUNK,
+              "logp_max_abs": float((chunked["logp"] - reference["logp"]).abs().max()),
+              "grad_hidden_max_rel": rel(chunked["grad_hidden"], reference["grad_hidden"]),
+              "grad_weight_max_rel": rel(chunked["grad_weight"], reference["grad_weight"]),
+              "seconds": {"chunked": chunked["seconds"], "plain": reference["seconds"]}}
+    if gpu:
+        # The op's docstring: 1.25 x chunk x vocab FP32 in the forward, an FP32 copy of the
+        # weight (fp32 head) and an FP32 weight-gradient accumulator; plus the bf16 gradients.
+        bound = (1.25 * LOGPROB_OP_CHUNK * vocab * 4 + 2 * vocab * hidden_size * 4
+                 + (tokens + vocab) * hidden_size * 2 + tokens * 8)
+        result["peak_extra_bytes"] = {"chunked": chunked["peak_extra_bytes"],
+                                      "plain": reference["peak_extra_bytes"],
+                                      "chunked_bound": int(bound)}
+        expect(chunked["peak_extra_bytes"] <= 1.25 * bound, "the chunked op's peak memory "
+               f"{chunked['peak_extra_bytes'] / 2**30:.2f} GiB exceeds its documented bound "
+               f"{bound / 2**30:.2f} GiB", result)
+    expect(result["logp_max_abs"] <= LOGPROB_OP_TOLERANCE["logp_max_abs"]
+           and max(result["grad_hidden_max_rel"], result["grad_weight_max_rel"])
+           <= LOGPROB_OP_TOLERANCE["grad_max_rel"],
+           f"the chunked FP32 log-prob op differs from a plain log-softmax: {result}", result)
+    return result
+
+
+def stage_device_collectives(ctx: Context) -> dict:
+    """The process group the trainer runs on (NCCL with a GPU) reduces, broadcasts and gathers
+    tensors made on megatron_rl.platform.collective_device(), and micro-batches reach the
+    platform's device in one move (MicroBatch.to)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.platform import collective_device, device
+    from megatron_rl.trainer import ParallelLayout, init_parallel, pack_micro_batches
+
+    init_parallel(ParallelLayout(), seed=1234)
+    where = collective_device()
+    result = {"backend": str(dist.get_backend()), "collective_device": str(where),
+              "device": str(device()), "world_size": dist.get_world_size()}
+    value = torch.arange(4, dtype=torch.float32, device=where)
+    dist.all_reduce(value)
+    dist.broadcast(value, src=0)
+    gathered = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, value)
+    result["all_reduce"] = value.tolist()
+    expect(value.tolist() == [0.0, 1.0, 2.0, 3.0] and all(torch.equal(g, value) for g in gathered),
+           "collectives on the collective device gave wrong values", result)
+    sequences = bare_sequences()
+    batch = make_batch(sequences, [torch.zeros(len(s) - 1) for s in sequences])
+    micro = pack_micro_batches(batch, list(range(len(sequences))),
+                               max_tokens=MICRO_BATCH_MAX_TOKENS, pad_to_multiple=1)[0].to(device())
+    result["micro_batch_devices"] = sorted({str(t.device) for t in (
+        micro.input_ids, micro.position_ids, micro.loss_mask, micro.padding_mask)})
+    expect(result["micro_batch_devices"] == [str(device())], "a micro-batch's tensors are not "
+           f"all on {device()}: {result['micro_batch_devices']}", result)
+    if ctx.mode == "gpu":
+        expect(result["backend"] == "nccl" and where.type == "cuda",
+               f"the trainer's collectives run on {result['backend']} / {where}", result)
+    return result
+
+
+def check_device_collectives(ctx: Context) -> dict:
+    """Dry run: a packed micro-batch moves to the platform's device in one call."""
+    import torch
+
+    from megatron_rl.platform import activate_cpu_compat, device
+
+    activate_cpu_compat()
+    from megatron_rl.trainer import pack_micro_batches
+
+    sequences = bare_sequences()
+    batch = make_batch(sequences, [torch.zeros(len(s) - 1) for s in sequences])
+    micro = pack_micro_batches(batch, list(range(len(sequences))),
+                               max_tokens=MICRO_BATCH_MAX_TOKENS, pad_to_multiple=1)[0].to(device())
+    return {"device": str(device()), "micro_batch_devices": sorted({str(t.device) for t in (
+        micro.input_ids, micro.position_ids, micro.loss_mask, micro.padding_mask)})}
+
+
+def stage_offload(ctx: Context) -> dict:
+    """Colocated offload (RLTrainer.offload_training_state): after a train step, memory_allocated
+    falls by the gradient buffers and optimizer state it reports, counted independently before;
+    the reload raises it by as much and the next step runs."""
+    import torch
+
+    sequences = bare_sequences()
+    trainer = padded_trainer_class()(bare_settings(precision="bf16"))
+    batch = make_batch(sequences, plain_logprobs(trainer, sequences))
+    try:
+        result = {"train_step_loss": trainer.train_step(batch).loss}
+        torch.cuda.synchronize()
+        trained = mem_info()
+        result["offload_expected_bytes"] = expected = offload_bytes(trainer)
+        result["offload_reported_bytes"] = trainer.offload_training_state()
+        offloaded = mem_info()
+        trainer.reload_training_state()
+        reloaded = mem_info()
+        result["step_after_reload"] = trainer.train_step(batch).loss
+        result["offload_allocated_change"] = allocated_change(trained, offloaded)
+        result["reload_allocated_change"] = allocated_change(offloaded, reloaded)
+        result["memory"] = {"trained": trained, "offloaded": offloaded, "reloaded": reloaded}
+    finally:
+        del trainer
+        release(ctx)
+    expect(result["offload_reported_bytes"] == expected and expected > 0, "the trainer's "
+           f"offload reports {result['offload_reported_bytes']} bytes, its gradient buffers "
+           f"and optimizer state hold {expected}", result)
+    expect(within_offload_tolerance(-result["offload_allocated_change"], expected),
+           f"the offload lowered memory_allocated by {-result['offload_allocated_change']} "
+           f"bytes, {expected} expected", result)
+    expect(within_offload_tolerance(result["reload_allocated_change"], expected),
+           f"the reload raised memory_allocated by {result['reload_allocated_change']} bytes, "
+           f"{expected} expected", result)
+    expect(math.isfinite(result["step_after_reload"]), "the step after the reload is not "
+           "finite", result)
+    return result
+
+
+def check_offload(ctx: Context) -> dict:
+    """Dry run: the colocated recipe's trainer offloads between steps."""
+    result = check_colocated(ctx)
+    return {"colocated_trainer_offloads": result["colocated_trainer_offloads"]}
+
+
+def check_bare_moe_layer(ctx: Context) -> dict:
+    return check_moe_layer(ctx, use_transformer_engine=False)
+
+
+def stage_bare_moe_layer(ctx: Context) -> dict:
+    return stage_moe_layer(ctx, use_transformer_engine=False)
+
+
 # ----------------------------------------------------------------------------- the runner
 
 RUNNERS: dict[str, dict[str, Callable[[Context], dict]]] = {
     "gpu": {"imports": stage_imports, "trainer": stage_trainer, "sglang": stage_sglang,
-            "colocated": stage_colocated, "moe_layer": stage_moe_layer},
+            "colocated": stage_colocated, "moe_layer": stage_moe_layer,
+            "bare_imports": stage_bare_imports, "bare_trainer": stage_bare_trainer,
+            "logprob_op": stage_logprob_op, "device_collectives": stage_device_collectives,
+            "offload": stage_offload, "bare_moe_layer": stage_bare_moe_layer},
     "dry_run": {"imports": stage_imports, "trainer": check_trainer, "sglang": check_sglang,
-                "colocated": check_colocated, "moe_layer": check_moe_layer},
+                "colocated": check_colocated, "moe_layer": check_moe_layer,
+                "bare_imports": stage_bare_imports, "bare_trainer": check_bare_trainer,
+                "logprob_op": stage_logprob_op, "device_collectives": check_device_collectives,
+                "offload": check_offload, "bare_moe_layer": check_bare_moe_layer},
     "cpu": {"imports": stage_imports, "trainer": stage_trainer_on_cpu, "sglang": check_sglang,
-            "colocated": check_colocated, "moe_layer": check_moe_layer},
+            "colocated": check_colocated, "moe_layer": check_moe_layer,
+            "bare_imports": stage_bare_imports, "bare_trainer": stage_bare_trainer,
+            "logprob_op": stage_logprob_op, "device_collectives": stage_device_collectives,
+            "offload": check_offload, "bare_moe_layer": check_bare_moe_layer},
 }
+
+
+def budget_s(stage: str) -> float:
+    return {**STAGE_BUDGET_S, **BARE_BUDGET_S}[stage]
 RECORD_FIELDS = ("stage", "index", "mode", "status", "started", "seconds", "budget_s", "result",
                  "error", "traceback")
 
@@ -1014,17 +1440,17 @@ def run(ctx: Context, stages: list[str], output: Path) -> list[dict]:
     records, failed = [], None
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w") as out:
-        for index, name in enumerate(s for s in STAGES if s in stages):
+        for index, name in enumerate(s for s in TIERS[ctx.tier] if s in stages):
             record = dict.fromkeys(RECORD_FIELDS)
             record.update(stage=name, index=index, mode=ctx.mode,
-                          budget_s=STAGE_BUDGET_S[name],
+                          budget_s=budget_s(name),
                           started=datetime.datetime.now(datetime.timezone.utc).isoformat())
             start = time.perf_counter()
             if failed is not None:
                 record.update(status="not_run", error=f"stage {failed} failed first", result={})
             else:
                 try:
-                    with _budget(STAGE_BUDGET_S[name]):
+                    with _budget(budget_s(name)):
                         record["result"] = RUNNERS[ctx.mode][name](ctx)
                     record["status"] = "ok"
                 except Exception as exc:  # noqa: BLE001 (recorded; the later stages do not run)
@@ -1045,19 +1471,35 @@ def run(ctx: Context, stages: list[str], output: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="runs/gpu_smoke.jsonl",
-                        help="JSON Lines: one record per stage")
-    parser.add_argument("--stages", default=",".join(STAGES),
-                        help=f"comma-separated subset of {','.join(STAGES)} (run in that order)")
+    parser.add_argument("--tier", choices=sorted(TIERS), default="image",
+                        help="image: the GPU image (SGLang, Transformer Engine; a real "
+                        "cluster's check); bare: a GPU machine with only its PyTorch and the "
+                        "wheels tools/bare_wheels.py carries")
+    parser.add_argument("--output", default=None,
+                        help="JSON Lines: one record per stage (default "
+                        "runs/gpu_smoke.jsonl, or OUTPUT_DIR/gpu_smoke_<tier>.jsonl)")
+    parser.add_argument("--output-dir", default=None,
+                        help="write OUTPUT_DIR/gpu_smoke_<tier>.jsonl")
+    parser.add_argument("--stages", default=None,
+                        help="comma-separated subset of the tier's stages (run in their order); "
+                        f"image: {','.join(STAGES)}; bare: {','.join(BARE_STAGES)}")
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU: every stage's configuration only (CI, the image build)")
     parser.add_argument("--cpu", action="store_true",
                         help="with --dry-run: also run stage 2's RLTrainer path on CPU")
     args = parser.parse_args(argv)
-    stages = [s for s in args.stages.split(",") if s]
-    unknown = sorted(set(stages) - set(STAGES))
+    tier_stages = TIERS[args.tier]
+    stages = [s for s in (args.stages or ",".join(tier_stages)).split(",") if s]
+    unknown = sorted(set(stages) - set(tier_stages))
     if unknown:
-        parser.error(f"unknown stages {unknown}; choose from {','.join(STAGES)}")
+        parser.error(f"unknown stages {unknown} for --tier {args.tier}; choose from "
+                     f"{','.join(tier_stages)}")
+    if args.output is not None and args.output_dir is not None:
+        parser.error("pass --output or --output-dir, not both")
+    output = Path(args.output) if args.output else \
+        Path(args.output_dir) / f"gpu_smoke_{args.tier}.jsonl" if args.output_dir else \
+        Path("runs/gpu_smoke.jsonl")
+    time_limit_s = TIME_LIMIT_S if args.tier == "image" else BARE_TIME_LIMIT_S
     if args.cpu and not args.dry_run:
         parser.error("--cpu is the CPU stand-in of a dry run: pass --dry-run --cpu")
     import torch
@@ -1071,16 +1513,17 @@ def main(argv: list[str] | None = None) -> int:
         # segments); the engines get theirs from megatron_rl.rollout.sglang_launch.
         from megatron_rl.platform import environment
 
-        for key, value in environment.trainer_environment(cuda_ipc=True).items():
+        for key, value in environment.trainer_environment(
+                cuda_ipc=args.tier == "image").items():
             os.environ.setdefault(key, value)
         # A call blocked in C (a hung collective) never returns to the stage's alarm: dump every
         # thread's stack and exit once the whole run is over its limit.
-        faulthandler.dump_traceback_later(TIME_LIMIT_S + 60, exit=True)
+        faulthandler.dump_traceback_later(time_limit_s + 60, exit=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_smoke_") as work:
-        ctx = Context(mode=mode, work=Path(work))
+        ctx = Context(mode=mode, work=Path(work), tier=args.tier)
         try:
-            records = run(ctx, stages, Path(args.output))
+            records = run(ctx, stages, output)
         finally:
             for generator in list(ctx.generators):
                 generator.shutdown()
@@ -1091,9 +1534,9 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.cancel_dump_traceback_later()
     total = time.perf_counter() - started
     failed = [r["stage"] for r in records if r["status"] == "failed"]
-    over = mode == "gpu" and total > TIME_LIMIT_S
-    print(f"gpu_smoke: {args.output}: {total:.0f} s"
-          f"{f', OVER the {TIME_LIMIT_S} s limit' if over else ''}; "
+    over = mode == "gpu" and total > time_limit_s
+    print(f"gpu_smoke: {output}: {total:.0f} s"
+          f"{f', OVER the {time_limit_s} s limit' if over else ''}; "
           f"{'failed: ' + ', '.join(failed) if failed else 'all stages ok'}")
     return 1 if failed or over else 0
 

@@ -220,10 +220,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--skip-build", action="store_true",
                         help="only evaluate an existing OUTPUT_DIR")
     args = parser.parse_args(argv)
-    from megatron_rl.console import quiet_known_warnings
+    from megatron_rl.console import is_terminal, quiet_known_warnings
 
     quiet_known_warnings()
-    if not args.progress:  # transformers' own bars too (save_pretrained's "Writing model shards")
+    # transformers' own bars too (save_pretrained's "Writing model shards"): off with
+    # --no-progress, and in a log, where a bar's carriage returns pile up on one line (ours
+    # print plain lines there: megatron_rl.console.progress)
+    if not args.progress or not is_terminal(sys.stderr):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()

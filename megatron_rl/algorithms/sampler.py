@@ -94,9 +94,9 @@ class NoPositiveResamplingSampler:
         return prompt_ids
 
     def update(self, prompt_ids: Sequence[int] | torch.Tensor,
-               pass_rates: Sequence[float] | torch.Tensor) -> None:
+               pass_rates: Sequence[float] | torch.Tensor) -> set[int]:
         """Record each prompt's pass rate (fraction of its G completions that were correct) and
-        retire those at or above the threshold."""
+        retire those at or above the threshold; returns the prompts this call retired."""
         ids = [_as_int(pid) for pid in _to_list(prompt_ids)]
         rates = [float(rate) for rate in _to_list(pass_rates)]
         if len(ids) != len(rates):
@@ -107,10 +107,27 @@ class NoPositiveResamplingSampler:
             if not 0.0 <= rate <= 1.0:
                 raise ValueError(f"pass rate {rate} of prompt {prompt_id} is not in [0, 1]; "
                                  "pass the fraction correct, not the reward")
+        retired = set()
         for prompt_id, rate in zip(ids, rates):
             self._history.setdefault(prompt_id, []).append(rate)
-            if self.enabled and rate + _PASS_RATE_TOLERANCE >= self.threshold:
+            if self.enabled and rate + _PASS_RATE_TOLERANCE >= self.threshold \
+                    and prompt_id not in self._retired:
                 self._retired.add(prompt_id)
+                retired.add(prompt_id)
+        return retired
+
+    def withdraw(self, prompt_ids: Sequence[int], *, retired: set[int]) -> None:
+        """Undo the latest `update` of `prompt_ids` (a batch put back before it was trained:
+        RolloutManager.put_back): the newest pass rate of each is forgotten, and the prompts
+        that update retired (`retired`, what it returned) are active again."""
+        for prompt_id in prompt_ids:
+            history = self._history.get(prompt_id)
+            if not history:
+                raise ValueError(f"prompt {prompt_id} has no pass rate to withdraw")
+            history.pop()
+            if not history:
+                del self._history[prompt_id]
+        self._retired -= set(retired)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (safe for torch.save, JSON after key conversion)."""

@@ -1,10 +1,13 @@
 """The generator engines as Ray actors: `GeneratorActor` launches one SGLang server with the
 project's launcher (`SGLangServer`, settings passed in) on the node Ray placed it on, reports
 where it listens (`GeneratorEndpoint`), checks its health and stops it; `GeneratorPool` runs one
-actor per engine in a placement group's generator bundles. When an engine's node is lost, Ray
-re-places its bundle on the first node with room: the pool re-creates the actor there
-(`replace`, without waiting) and brings it up once Ray has started it (`poll_replacements`).
-Every wait is bounded (rollout.engine_start_timeout_s, rollout.health_check_timeout_s).
+actor per engine in a placement group's generator bundles. Restarting an engine never blocks the
+driver: `restart` (in place; a dead, hung or failing actor is replaced by a new one in its
+bundle) and `replace` (a new actor, for an engine whose node is lost: Ray re-places its bundle on
+the first node with room) only start the work, and `poll_replacements` brings up, in one pass
+over every engine under way, those that started. So a rack of engines restarts at once, in the
+time of one start. Every stage is bounded (rollout.engine_start_timeout_s,
+rollout.health_check_timeout_s).
 
 The server binds the node's Ray address (127.0.0.1 on a local cluster), so that trainer ranks on
 other nodes reach it. It runs in its own process group; stopping it stops the whole group, also
@@ -27,31 +30,6 @@ from collections.abc import Sequence
 from megatron_rl.cluster.processes import kill_process_group
 from megatron_rl.cluster.remote import actor_class, gather, kill_actors
 from megatron_rl.rollout import GeneratorDeadError, GeneratorError, SGLangServerSettings
-
-
-def _abandon_if_stopping(what: str) -> None:
-    from megatron_rl.resilience.stop import RUN_STOP
-
-    RUN_STOP.abandon_if_requested(what)
-
-
-def _stoppable_get(ref, timeout_s: float, what: str):
-    """ray.get(ref, timeout=timeout_s) in slices of resilience/stop.py's WAIT_SLICE_S: a stop
-    request (SIGTERM) abandons it at once (StopRequested). Restarting an engine is a wait for
-    generation capacity, which a stopping run no longer needs; the half-started actor is killed
-    with the pool."""
-    import ray
-
-    from megatron_rl.resilience.stop import WAIT_SLICE_S
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        _abandon_if_stopping(what)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise ray.exceptions.GetTimeoutError(f"{what}: no answer within {timeout_s:.0f} s")
-        if ray.wait([ref], timeout=min(remaining, WAIT_SLICE_S))[0]:
-            return ray.get(ref, timeout=WAIT_SLICE_S)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,16 +108,18 @@ class GeneratorActor:
 
     def wait_until_healthy(self) -> GeneratorEndpoint:
         """Wait for the server's /health (settings.startup_timeout_s). On failure the server is
-        stopped and the error names this generator, with the server's exit code and log tail."""
+        stopped and the error names this generator, with the server's exit code and log tail.
+        The actor stays usable: a failed start (a port taken meanwhile: "address already in
+        use") costs one attempt, and the next `restart` launches a new server."""
         server = self._require_server()
         try:
             server.wait_until_healthy()
         except GeneratorError as exc:
-            stopped = self._stopped
-            self.shutdown()
+            stopped, described = self._stopped, self._describe()
+            self._stop_server()  # not shutdown(): that would refuse every later restart()
             if stopped:
-                raise GeneratorError(f"{self._describe()}: shut down while starting") from None
-            raise type(exc)(f"{self._describe()} did not start: {exc}") from None
+                raise GeneratorError(f"{described}: shut down while starting") from None
+            raise type(exc)(f"{described} did not start: {exc}") from None
         return self._endpoint
 
     def endpoint(self) -> GeneratorEndpoint:
@@ -158,9 +138,14 @@ class GeneratorActor:
             raise type(exc)(f"{self._describe()}: {exc}") from None
 
     def shutdown(self) -> None:
-        """Stop the server's whole process group (SIGTERM, then SIGKILL). Idempotent."""
+        """Stop the server's whole process group (SIGTERM, then SIGKILL), for good: the actor
+        refuses to launch again. Idempotent."""
         with self._lock:
             self._stopped = True
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        with self._lock:
             server, endpoint = self._server, self._endpoint
         if server is None:
             return
@@ -180,26 +165,23 @@ class GeneratorActor:
         return self._endpoint.describe()
 
 
-class GeneratorUnplaceable(GeneratorError):
-    """A generator's actor cannot be placed now: the node of its placement-group bundle is gone
-    (Ray places the bundle again once a node has room) or the new actor did not start in time.
-    `GeneratorPool.replace` waits for the placement without blocking the run."""
-
-
 @dataclasses.dataclass(kw_only=True, slots=True)
 class _Replacement:
-    """A generator being re-created in its bundle: the actor's `launch` (pending until Ray
-    places the bundle), then its `wait_until_healthy`."""
+    """A generator being restarted, one stage at a time: its actor's `restart` in place (or,
+    in a new actor, `launch`: pending until Ray places the bundle), then `wait_until_healthy`.
+    `ref` is the ObjectRef of the stage under way, `since` when it began (time.monotonic())."""
 
-    launch: object  # ObjectRef of GeneratorActor.launch
-    healthy: object = None  # ObjectRef of GeneratorActor.wait_until_healthy, once launched
-    launched_at: float = 0.0  # time.monotonic()
+    stage: str  # "restart" | "launch" | "healthy"
+    ref: object
+    since: float
+    old: GeneratorEndpoint | None = None  # the server it replaces (for names and cleanup)
 
 
 class GeneratorPool:
-    """One `GeneratorActor` per generator bundle of a placement, started together. An engine
-    whose node is lost is re-created in the same bundle (`replace`) when Ray can place it
-    again; until then it is not serving (`serving()`). Every wait is bounded: starts by
+    """One `GeneratorActor` per generator bundle of a placement, started together. A failed
+    engine is restarted (`restart`) and one whose node is lost re-created in the same bundle
+    when Ray can place it again (`replace`), neither waited for: `poll_replacements` reports
+    them; until then they are not serving (`serving()`). Every stage is bounded: starts by
     `start_timeout_s` (rollout.engine_start_timeout_s), other actor calls by `call_timeout_s`
     (rollout.health_check_timeout_s)."""
 
@@ -286,7 +268,7 @@ class GeneratorPool:
         import ray
 
         return frozenset(i for i, r in self._replacing.items()
-                         if r.healthy is None and not ray.wait([r.launch], timeout=0)[0])
+                         if r.stage == "launch" and not ray.wait([r.ref], timeout=0)[0])
 
     def check_health(self, timeout_s: float | None = None) -> None:
         """Raise GeneratorDeadError naming every generator whose server or actor is gone (or
@@ -300,82 +282,97 @@ class GeneratorPool:
             raise kind(f"{len(problems)} of {len(self.actors)} generators failed the health "
                        "check:\n" + "\n".join(str(p) for p in problems))
 
-    def restart(self, index: int) -> GeneratorEndpoint:
-        """Replace generator `index`'s server with a fresh one (same settings, version 0 weights
-        of the served checkpoint) and wait until it answers; a dead or hung actor is replaced by
-        a new one in the same bundle. Raises GeneratorUnplaceable at once when that bundle's
-        node is gone, or when the new actor does not start within start_timeout_s (`replace`
-        then waits for Ray without blocking). The other generators are not touched."""
-        import ray
-
+    def restart(self, index: int) -> None:
+        """Start replacing generator `index`'s server with a fresh one (same settings, version 0
+        weights of the served checkpoint), without waiting: `poll_replacements` brings it up.
+        The actor stops the old server and launches the new one; an actor that cannot (dead,
+        hung past call_timeout_s, or its restart failed) is killed and a new one is created in
+        the same bundle, which Ray places when the bundle has a node. The other generators are
+        not touched."""
         old, self._endpoints[index] = self._endpoints[index], None
-        try:
-            _stoppable_get(self.actors[index].restart.remote(), self.call_timeout_s,
-                           f"restarting {self._label(index, old)}")
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-            self._drop_actor(index, old)  # dead, or hung (its worker stopped)
-            lost = self._bundle_node_lost(index)
-            if lost:
-                raise GeneratorUnplaceable(f"{self._label(index, old)}: {lost}") from None
-            self.actors[index] = self._new_actor(index)
-            launched = self.actors[index].launch.remote()
-            deadline = time.monotonic() + self.start_timeout_s
-            while not ray.wait([launched], timeout=1.0)[0]:  # placed and started?
-                _abandon_if_stopping(f"restarting {self._label(index, old)}")
-                lost = self._bundle_node_lost(index)  # the node went meanwhile: fail fast
-                if lost or time.monotonic() > deadline:
-                    self._drop_actor(index, None)
-                    raise GeneratorUnplaceable(
-                        f"{self._label(index, old)}: its new Ray actor "
-                        + (lost or f"was not placed and started within "
-                           f"{self.start_timeout_s:.0f} s (rollout.engine_start_timeout_s)")
-                        + f" (the old one {'hung' if isinstance(exc, TimeoutError) else 'died'})")
-            ray.get(launched, timeout=self.call_timeout_s)
-        self._endpoints[index] = self._wait_healthy(index)
-        return self._endpoints[index]
+        self._replacing[index] = _Replacement(stage="restart", old=old, since=time.monotonic(),
+                                              ref=self.actors[index].restart.remote())
 
     def replace(self, index: int) -> None:
         """Start re-creating generator `index` in its bundle without waiting: Ray places the new
         actor once the bundle has a node again (the lost node back, or another with room);
         `poll_replacements` brings it up. The old actor is killed."""
-        self._drop_actor(index, self._endpoints[index])
-        self._endpoints[index] = None
-        self.actors[index] = self._new_actor(index)
-        self._replacing[index] = _Replacement(launch=self.actors[index].launch.remote())
+        old, self._endpoints[index] = self._endpoints[index], None
+        self._recreate(index, _Replacement(stage="launch", ref=None, since=0.0, old=old))
 
     def poll_replacements(self) -> dict[int, GeneratorEndpoint | GeneratorError]:
-        """Without waiting: {index: endpoint} of the re-created generators now serving, and
-        {index: error} of those whose start failed or took longer than start_timeout_s after
-        Ray placed them (their actor is killed); the others are left pending."""
+        """Without waiting: {index: endpoint} of the restarted or re-created generators now
+        serving, and {index: error} of those whose start failed or took too long (an actor that
+        died or did not answer is killed, and the next `restart` creates a new one); the others
+        are left pending. One `ray.wait` covers every generator under way, however many."""
         import ray
 
+        if not self._replacing:
+            return {}
+        refs = [r.ref for r in self._replacing.values()]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
         done: dict[int, GeneratorEndpoint | GeneratorError] = {}
         for index, pending in list(self._replacing.items()):
             try:
-                if pending.healthy is None:
-                    if not ray.wait([pending.launch], timeout=0)[0]:
-                        continue  # not placed yet
-                    ray.get(pending.launch, timeout=self.call_timeout_s)
-                    pending.healthy = self.actors[index].wait_until_healthy.remote()
-                    pending.launched_at = time.monotonic()
-                if ray.wait([pending.healthy], timeout=0)[0]:
-                    self._endpoints[index] = ray.get(pending.healthy, timeout=self.call_timeout_s)
-                    done[index] = self._endpoints[index]
-                elif time.monotonic() - pending.launched_at > self.start_timeout_s \
-                        + self.call_timeout_s:
-                    raise GeneratorError(f"{self._label(index)}: re-created, but not healthy "
-                                         f"within {self.start_timeout_s:.0f} s "
-                                         "(rollout.engine_start_timeout_s)")
-                else:
-                    continue
+                result = self._advance(index, pending, pending.ref in ready)
             except (ray.exceptions.RayError, GeneratorError) as exc:
                 cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else exc
-                done[index] = cause if isinstance(cause, GeneratorError) else GeneratorError(
-                    f"{self._label(index)}: re-creating it failed: {type(exc).__name__}: "
+                result = cause if isinstance(cause, GeneratorError) else GeneratorError(
+                    f"{self._label(index)}: restarting it failed: {type(exc).__name__}: "
                     f"{str(exc).splitlines()[0][:300]}")
-                self._drop_actor(index, None)
-            del self._replacing[index]
+                if cause is exc:  # dead, hung or late: else its server did not start, and the
+                    self._drop_actor(index, None)  # actor, which stopped it, restarts again
+            if result is not None:
+                done[index] = result
+                del self._replacing[index]
         return done
+
+    def _advance(self, index: int, pending: _Replacement,
+                 ready: bool) -> GeneratorEndpoint | None:
+        """Move one restart on by the stages that finished; its endpoint once it serves."""
+        import ray
+
+        now = time.monotonic()
+        if pending.stage == "restart":
+            failure = None
+            if ready:
+                try:
+                    ray.get(pending.ref, timeout=self.call_timeout_s)
+                except ray.exceptions.RayError as exc:  # dead, or its restart raised
+                    failure = exc
+            elif now - pending.since > self.call_timeout_s:
+                failure = "hung"
+            else:
+                return None
+            if failure is None:
+                pending.stage, pending.since = "healthy", now
+                pending.ref = self.actors[index].wait_until_healthy.remote()
+            else:
+                self._recreate(index, pending)
+            return None
+        if pending.stage == "launch":
+            if not ready:
+                return None  # not placed yet: Ray places it when the bundle has a node
+            ray.get(pending.ref, timeout=self.call_timeout_s)
+            pending.stage, pending.since = "healthy", now
+            pending.ref = self.actors[index].wait_until_healthy.remote()
+            return None
+        if ready:
+            self._endpoints[index] = ray.get(pending.ref, timeout=self.call_timeout_s)
+            return self._endpoints[index]
+        if now - pending.since > self.start_timeout_s + self.call_timeout_s:
+            raise GeneratorError(f"{self._label(index, pending.old)}: restarted, but not "
+                                 f"healthy within {self.start_timeout_s:.0f} s "
+                                 "(rollout.engine_start_timeout_s)")
+        return None
+
+    def _recreate(self, index: int, pending: _Replacement) -> None:
+        """A new actor for generator `index` in its bundle (the old one killed), launching."""
+        self._drop_actor(index, pending.old)
+        self.actors[index] = self._new_actor(index)
+        pending.stage, pending.since = "launch", time.monotonic()
+        pending.ref = self.actors[index].launch.remote()
+        self._replacing[index] = pending
 
     def unhealthy(self, indices: Sequence[int] | None = None, *,
                   timeout_s: float | None = None) -> dict[int, GeneratorError]:
@@ -444,19 +441,6 @@ class GeneratorPool:
             **self.placement.generator_options(index), max_concurrency=2,
             max_restarts=0).remote(self.names[index], self._settings[index])
 
-    def _wait_healthy(self, index: int) -> GeneratorEndpoint:
-        import ray
-
-        try:
-            return _stoppable_get(self.actors[index].wait_until_healthy.remote(),
-                                  self.start_timeout_s + self.call_timeout_s,
-                                  f"waiting for {self._label(index)} to start")
-        except ray.exceptions.GetTimeoutError:  # the actor's own start-up wait did not end
-            self._drop_actor(index, None)
-            raise GeneratorError(f"{self._label(index)}: not healthy within "
-                                 f"{self.start_timeout_s:.0f} s (rollout.engine_start_timeout_s)"
-                                 ) from None
-
     def _drop_actor(self, index: int, endpoint: GeneratorEndpoint | None) -> None:
         """Kill generator `index`'s actor without waiting, and its old server's process group
         when it ran on this node (elsewhere the server stops with its actor's process)."""
@@ -465,18 +449,6 @@ class GeneratorPool:
         kill_actors([self.actors[index]])
         if endpoint is not None and endpoint.node_id == ray.get_runtime_context().get_node_id():
             kill_process_group(endpoint.pid, started_after=endpoint.started_at)
-
-    def _bundle_node_lost(self, index: int) -> str | None:
-        """Why generator `index`'s bundle has no live node now (None: it has one)."""
-        from megatron_rl.cluster.runtime import lost_nodes
-
-        node_id = self.placement.bundle_nodes().get(
-            self.placement.layout.generator_bundle_index(index), "")
-        if not node_id:
-            return "its placement-group bundle has no node (its node was lost; Ray places it " \
-                   "again when a node has room)"
-        lost = lost_nodes([node_id])
-        return f"its node {lost[node_id]} (Ray node id {node_id[:12]}) was lost" if lost else None
 
     def _label(self, i: int, endpoint: GeneratorEndpoint | None = None) -> str:
         endpoint = endpoint or self._endpoints[i]

@@ -3,6 +3,13 @@ the SGLang engines (the engines load while the ranks build, except colocated on 
 need the ranks' GPU ids), the start checkpoint into the ranks, the engines healthy, the weight
 sync connected. `RunCluster.start` registers every teardown on the caller's ExitStack, so no
 engine or Ray worker outlives the run, also after an error.
+
+The run needs every node it placed something on until it is up: a start that fails because a
+node was lost (an actor call on it fails, its bundle loses its node) stops with NodeLost, one
+line naming the node and what it held (exit status 75: requeue), not with the actor error.
+After that a lost node of a trainer rank or of the driver stops the run
+(`stop_if_trainer_node_lost`); one of generators only shrinks the rotation
+(resilience/recovery.py).
 """
 from __future__ import annotations
 
@@ -56,15 +63,15 @@ class RunCluster:
     # The engines' API key, made for this run alone (SGLangServerSettings.api_key): kept out of
     # config.yaml, processes.json, logs and command lines.
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    # {bundle index: Ray node id} as reserved at the start: what each node held, once it is gone.
+    placed: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def start(cls, cfg: RunConfig, out: Path, stack: contextlib.ExitStack, *,
               start_checkpoint: Callable[[str], str]) -> "RunCluster":
         """`start_checkpoint(model_dir)` returns the trainer's start checkpoint (converted from
         model.hf_checkpoint)."""
-        from megatron_rl.cluster import (ClusterLayout, ClusterSettings, GeneratorPool,
-                                         RayCluster, TrainerGroup)
-        from megatron_rl.rollout.sglang_server import is_moe_model
+        from megatron_rl.cluster import ClusterLayout, ClusterSettings, RayCluster
 
         phases = _Phases()
         with phases("Ray"):
@@ -79,6 +86,22 @@ class RunCluster:
                               "ranks' GPUs, and NCCL cannot hold two ranks of one group on one "
                               "GPU; set weight_sync.transport=tensor (in-memory hand-over)")
         placement = ray.reserve(layout, name=cfg.name)
+        placed = placement.bundle_nodes()
+        try:
+            return cls._start_on(cfg, out, ray, layout, placement, placed, phases,
+                                 start_checkpoint=start_checkpoint)
+        except Exception as failure:
+            stop_if_node_lost_at_start(cfg, layout, placed, failure)
+            raise
+
+    @classmethod
+    def _start_on(cls, cfg: RunConfig, out: Path, ray, layout, placement, placed: dict,
+                  phases: _Phases, *, start_checkpoint: Callable[[str], str]) -> "RunCluster":
+        """The trainer ranks, the engines and the weight sync in the reserved placement."""
+        from megatron_rl.cluster import GeneratorPool, TrainerGroup
+        from megatron_rl.rollout.sglang_server import is_moe_model
+
+        gpu_colocated = layout.colocated and layout.device == "gpu"
         model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
         waits = dict(start_timeout_s=cfg.rollout.engine_start_timeout_s,
                      call_timeout_s=cfg.rollout.health_check_timeout_s)
@@ -110,7 +133,7 @@ class RunCluster:
         cluster = cls(ray=ray, layout=layout, placement=placement, trainers=trainers,
                       generators=generators, model_dir=model_dir, num_devices=num_devices,
                       routing_replay=cfg.rollout.routing_replay and is_moe_model(model_dir),
-                      api_key=api_key)
+                      api_key=api_key, placed=placed)
         cluster.write_processes(out)
         notice(f"cluster up in {phases.total:.1f} s ({phases}; the generators start while the "
                "trainer ranks build)")
@@ -152,15 +175,19 @@ class RunCluster:
 
     def stop_if_trainer_node_lost(self, cfg: RunConfig) -> None:
         """Raise NodeLost when a node of the trainer ranks or of the driver is gone: Ray
-        declared it dead, or a trainer rank's placement-group bundle lost its node."""
+        declared it dead, or a trainer rank's placement-group bundle lost its node. The
+        message also names the engines that served there. A node whose raylet no longer
+        accepts connections is on its way out: Ray's verdict is awaited (a rank's death
+        reaches the driver first, and must not be taken for a trainer failure)."""
         import ray
 
-        from megatron_rl.cluster.runtime import lost_nodes
+        from megatron_rl.cluster.runtime import lost_nodes, node_verdict_s, unreachable_nodes
         from megatron_rl.resilience.recovery import NodeLost, node_lost_message
 
         ranks = {r: n.node_id for r, n in enumerate(self.trainers.nodes)}
         driver = ray.get_runtime_context().get_node_id()
-        lost = lost_nodes([*ranks.values(), driver])
+        nodes = [*ranks.values(), driver]
+        lost = lost_nodes(nodes, within_s=node_verdict_s() if unreachable_nodes(nodes) else 0.0)
         bundles = self.placement.bundle_nodes()
         for rank, node in ranks.items():
             if not bundles.get(self.layout.trainer_bundle_index(rank), node):
@@ -169,7 +196,47 @@ class RunCluster:
         held = {node: [f"trainer rank {r}" for r, n in ranks.items() if n == node]
                 + (["the driver"] if node == driver else []) for node in lost}
         if any(held.values()):
+            for endpoint in self.generators.endpoints:
+                if endpoint.node_id in held:
+                    held[endpoint.node_id].append(endpoint.name)
             raise NodeLost(node_lost_message(cfg, lost, held))
+
+    def stop_if_node_lost(self, cfg: RunConfig, failure: BaseException) -> None:
+        """While the run starts (after the cluster is up: the restore of a resume, the
+        rollout manager's start), every node it placed something on is needed: NodeLost
+        (from `failure`) when one is gone."""
+        stop_if_node_lost_at_start(cfg, self.layout, self.placed, failure)
+
+
+def stop_if_node_lost_at_start(cfg: RunConfig, layout, placed: dict[int, str],
+                               failure: BaseException) -> None:
+    """Raise NodeLost from `failure`, a start-up step that failed, when a node of the run is
+    gone: the driver's, or one that a placement-group bundle was reserved on (`placed`,
+    {bundle index: node id}). The message names what each lost node held. A call to a lost
+    node's actor can fail before Ray declares the node dead, so a node whose raylet no longer
+    accepts connections gets Ray's verdict awaited (runtime.node_verdict_s). When the GCS
+    cannot answer either, `failure` stands."""
+    import ray
+
+    from megatron_rl.cluster.runtime import lost_nodes, node_verdict_s, unreachable_nodes
+    from megatron_rl.resilience.recovery import NodeLost, node_lost_message
+
+    held: dict[str, list[str]] = {}
+    for rank in range(layout.num_trainer_ranks):
+        node = placed.get(layout.trainer_bundle_index(rank))
+        if node:
+            held.setdefault(node, []).append(f"trainer rank {rank}")
+    for index in range(layout.num_generators):
+        node = placed.get(layout.generator_bundle_index(index))
+        if node:
+            held.setdefault(node, []).append(f"generator-{index}")
+    try:
+        held.setdefault(ray.get_runtime_context().get_node_id(), []).append("the driver")
+        lost = lost_nodes(held, within_s=node_verdict_s() if unreachable_nodes(held) else 0.0)
+    except Exception:  # noqa: BLE001 (the GCS is gone too: the failure says what happened)
+        return
+    if lost:
+        raise NodeLost(node_lost_message(cfg, lost, held)) from failure
 
 
 def server_settings(cfg: RunConfig, layout, out: Path, model_dir: str, trainers,

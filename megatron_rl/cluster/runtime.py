@@ -20,7 +20,10 @@ are the job's runtime_env, so every actor of the run and every process it starts
 values, whatever the environment of the node it runs on.
 
 Lost nodes: `lost_nodes` asks the GCS which of the run's nodes it no longer counts alive (the
-driver's health check polls it; docs/fault_tolerance.md, "Node failures").
+driver's health check polls it; docs/fault_tolerance.md, "Node failures"). A call to a lost node's
+actor can fail before the GCS has declared the node dead: `unreachable_nodes` finds such a node
+(its raylet refuses connections), and `lost_nodes(..., within_s=node_verdict_s())` waits for the
+verdict before the failure is blamed on something else.
 
 Everything the cluster layer creates registers its stop function here (`on_shutdown`), so that
 `RayCluster.shutdown()` stops trainer ranks, generators (their SGLang servers included),
@@ -97,21 +100,63 @@ class ClusterSettings:
         return self.address is None
 
 
-def lost_nodes(node_ids: Iterable[str]) -> dict[str, str]:
+def lost_nodes(node_ids: Iterable[str], *, within_s: float = 0.0) -> dict[str, str]:
     """{node id: its address} of those of `node_ids` that Ray's GCS no longer counts alive.
     The GCS declares a node dead when its raylet ends (at once) or stops answering its health
     checks (RAY_health_check_period_ms x RAY_health_check_failure_threshold: 3 s x 5 by
     default), and then also fails every call to the node's actors (ActorDiedError): a lost node
-    is seen in seconds, whatever the run was waiting for."""
+    is seen in seconds, whatever the run was waiting for. With `within_s`, asked again every
+    second while none is lost, for up to that long (the GCS's verdict on a node whose actor
+    call just failed: `node_verdict_s()`); a stop request (SIGTERM) ends that wait early."""
+    import time
+
+    import ray
+
+    from megatron_rl.resilience.stop import RUN_STOP, WAIT_SLICE_S
+
+    node_ids = set(node_ids)
+    deadline = time.monotonic() + within_s
+    while True:
+        table = {node["NodeID"]: node for node in ray.nodes()}
+        lost = {}
+        for node_id in node_ids:
+            node = table.get(node_id)
+            if node is None or not node["Alive"]:
+                lost[node_id] = node["NodeManagerAddress"] if node is not None else "(unknown)"
+        if lost or time.monotonic() >= deadline or RUN_STOP.requested:
+            return lost
+        time.sleep(WAIT_SLICE_S)
+
+
+def unreachable_nodes(node_ids: Iterable[str], *, timeout_s: float = 2.0) -> set[str]:
+    """Those of `node_ids` (alive to the GCS) whose raylet does not accept a connection within
+    `timeout_s`: nodes on their way out that the GCS has not declared dead yet (a trainer
+    rank's death reaches the driver first). A busy raylet still accepts (the kernel does)."""
+    import socket
+
     import ray
 
     table = {node["NodeID"]: node for node in ray.nodes()}
-    lost = {}
+    gone = set()
     for node_id in set(node_ids):
         node = table.get(node_id)
         if node is None or not node["Alive"]:
-            lost[node_id] = node["NodeManagerAddress"] if node is not None else "(unknown)"
-    return lost
+            continue  # lost_nodes says so
+        try:
+            socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
+                                     timeout=timeout_s).close()
+        except OSError:
+            gone.add(node_id)
+    return gone
+
+
+def node_verdict_s() -> float:
+    """The longest the GCS takes to declare a node dead that stopped answering: its health
+    check period x the failures it tolerates (Ray's RAY_health_check_period_ms and
+    RAY_health_check_failure_threshold, 3 s x 5 by default), plus a margin of two checks."""
+    period_s = float(os.environ.get("RAY_health_check_period_ms", 3000)) / 1000
+    failures = int(os.environ.get("RAY_health_check_failure_threshold", 5))
+    return period_s * (failures + 2)
 
 
 def _is_loopback_address(address: str) -> bool:

@@ -298,10 +298,12 @@ class TrainerWorker:
             return self.weight_sync.sync(version)
 
     def sync_new_generators(self, generators: Sequence[GeneratorEndpoint], hf_config_dir: str,
-                            version: int):
+                            version: int, connect: Sequence[GeneratorEndpoint] | None = None):
         """Bring restarted generators to the trainer's weights as `version` over a weight-update
         group of their own (collective; the generators already serving are not paused), then
-        rebuild the main sync over every generator, the restarted ones in their places."""
+        rebuild the main sync once: over `connect` (the whole new rotation, restarted ones
+        included), or by default over every connected generator, the restarted ones in their
+        places."""
         if self.weight_sync is None:
             raise RuntimeError(f"{self!r}: sync_new_generators() before connect_generators()")
         temporary = self._build_sync(generators, hf_config_dir)
@@ -310,9 +312,10 @@ class TrainerWorker:
                 report = temporary.sync(version)
         finally:
             temporary.close()
-        by_name = {g.name: g for g in generators}
-        self.connect_generators([by_name.get(g.name, g) for g in self._generators],
-                                hf_config_dir)
+        if connect is None:
+            by_name = {g.name: g for g in generators}
+            connect = [by_name.get(g.name, g) for g in self._generators]
+        self.connect_generators(list(connect), hf_config_dir)
         self.weight_sync.version = version
         return report
 
@@ -414,9 +417,11 @@ class TrainerGroup:
         return self.call("sync_weights", version, timeout_s=timeout_s)
 
     def sync_new_generators(self, generators: Sequence[GeneratorEndpoint], hf_config_dir: str,
-                            version: int):
-        """-> rank 0's SyncReport of bringing restarted `generators` to `version`."""
-        return self.call("sync_new_generators", list(generators), hf_config_dir, version)
+                            version: int, connect: Sequence[GeneratorEndpoint] | None = None):
+        """-> rank 0's SyncReport of bringing restarted `generators` to `version`; the main
+        sync is then rebuilt over `connect` (TrainerWorker.sync_new_generators)."""
+        return self.call("sync_new_generators", list(generators), hf_config_dir, version,
+                         None if connect is None else list(connect))
 
     def save_checkpoint(self, directory: str, extra_state: dict[str, Any] | None = None, *,
                         async_save: str = "never") -> bool:

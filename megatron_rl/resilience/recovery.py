@@ -91,19 +91,29 @@ class GeneratorHealth:
         self._strikes: dict[int, int] = {}  # failed timer health checks in a row
         self._given_up: set[int] = set()
         self._lost: dict[int, str] = {}  # generator -> why its node is gone (not yet handled)
-        self._placing: dict[int, dict] = {}  # generator being re-created -> its fault record
+        # Generators out of the rotation being brought back (restarting, re-created, waiting
+        # out a backoff, or started) -> their fault record; all of them at once, none waited for.
+        self._placing: dict[int, dict] = {}
+        self._retry_at: dict[int, float] = {}  # next attempt after a failed one (monotonic s)
+        self._started: dict[int, object] = {}  # started, not yet in the rotation -> endpoint
+        # Started engines connected to the trainer's coming weight sync (a check before a sync,
+        # when the trainer holds newer weights than version()) -> the version then: they enter
+        # the rotation once the sync gave them the next one.
+        self._joining: dict[int, int] = {}
+        self._joining_connected: set[int] = set()  # those the trainer's sync was connected to
         self._below_min_since: float | None = None
         self._last_check = 0.0
         self._failures: list = []  # GeneratorFailure reports not yet recovered
 
-    def wait(self, coroutine):
+    def wait(self, coroutine, *, put_back: Callable | None = None):
         """Run a coroutine on the rollout loop; while it runs, failed generators are restarted
         and failed reward workers recorded. A graceful stop abandons it (StopRequested, within
-        WAIT_SLICE_S; resilience/stop.py)."""
+        WAIT_SLICE_S; resilience/stop.py); `put_back(result)` then undoes a result it had
+        produced already (RolloutLoop.abandon)."""
         from megatron_rl.resilience.stop import RUN_STOP, WAIT_SLICE_S
 
         what = f"waiting for {coroutine.__qualname__}"
-        future = self.loop.submit(coroutine)
+        future = self.loop.submit(coroutine, put_back=put_back)
         try:
             while True:
                 # Checked at least once per wait, also by one that ends at once (the pipeline
@@ -116,7 +126,7 @@ class GeneratorHealth:
                     RUN_STOP.abandon_if_requested(what)
                     self.record_reward_faults()
         except BaseException:
-            future.cancel()  # the run is stopping: nothing waits for the result
+            self.loop.abandon(future)  # the run is stopping: nothing waits for the result
             raise
 
     def record_reward_faults(self) -> None:
@@ -150,14 +160,18 @@ class GeneratorHealth:
             self._check_nodes()
             up = set(range(len(self.clients))) - self.loop.run(lambda: self.manager.down)
             unhealthy = self.generators.unhealthy(
-                sorted(up), timeout_s=self.cfg.rollout.health_check_timeout_s)
-            for index in up:
-                self._strikes[index] = self._strikes.get(index, 0) + 1 \
-                    if index in unhealthy else 0
+                sorted(up | set(self._joining)),
+                timeout_s=self.cfg.rollout.health_check_timeout_s)
+            # Failed checks in a row while serving: an engine that left starts again from none.
+            self._strikes = {i: self._strikes.get(i, 0) + 1 if i in unhealthy else 0
+                             for i in up}
+            for index in sorted(up):
                 if self._strikes[index] >= strikes:  # a busy engine may miss one
-                    self._strikes[index] = 0
+                    del self._strikes[index]
                     self.loop.run(lambda i=index, r=str(unhealthy[index]):
                                   self.manager.mark_down(i, r))
+            for index in sorted(set(self._joining) & set(unhealthy)):  # started, then failed
+                self._start_failed(index, unhealthy[index])
             if not now:  # `now` comes from a weight sync, whose pause makes no progress
                 # Engines with requests in flight and no progress (no answer, no passed
                 # /health_generate) for rollout.no_progress_timeout_s: marked down.
@@ -165,29 +179,32 @@ class GeneratorHealth:
                     self.cfg.rollout.no_progress_timeout_s))
         self._failures += self.loop.run(self.manager.take_failures)
         down = self.loop.run(lambda: self.manager.down) - self._given_up - set(self._placing)
-        for index in sorted(down):
+        for index in sorted(down):  # all started at once; none is waited for here
             self._restart(index)
-        if not now:  # before a sync the trainer holds newer weights than the version
-            self._take_back_placed()
+        self._take_back_placed(now=now)
         self._check_enough()
         if now:
-            while not self.in_rotation():  # nothing to sync into: wait (bounded) for one
+            # Nothing to sync into (no engine in the rotation, none joining): wait (bounded).
+            while not self.in_rotation() and not self._joining:
                 from megatron_rl.resilience.stop import RUN_STOP, WAIT_SLICE_S
 
                 RUN_STOP.abandon_if_requested("waiting for a generator to sync weights into")
                 time.sleep(WAIT_SLICE_S)
-                self._take_back_placed()
+                # A lost trainer node stops the run now, not after the engines' start bound
+                # (rollout.engine_start_timeout_s) that _check_enough waits out.
+                self._check_nodes()
+                self._take_back_placed(now=True)
                 self._check_enough()
             self._connect_rotation()
 
     # ------------------------------------------------------------------ nodes
 
     def _check_nodes(self) -> None:
-        """Ray's node state: NodeLost for a lost node of a trainer rank or the driver; the
-        generators of a lost node are taken out of the rotation (their groups re-queued)."""
+        """Ray's node state: the generators of a lost node are taken out of the rotation (their
+        groups re-queued), then NodeLost for a lost node of a trainer rank or the driver (the
+        message names the engines it also held)."""
         from megatron_rl.cluster.runtime import lost_nodes
 
-        self.cluster.stop_if_trainer_node_lost(self.cfg)
         serving = self.generators.serving()
         lost = lost_nodes(e.node_id for e in serving.values())
         for index, endpoint in serving.items():
@@ -196,6 +213,7 @@ class GeneratorHealth:
                                      f"{endpoint.node_id[:12]}) was lost")
                 self.loop.run(lambda i=index, why=self._lost[index]: self.manager.mark_down(
                     i, f"{endpoint.describe()}: {why}"))
+        self.cluster.stop_if_trainer_node_lost(self.cfg)
 
     def _check_enough(self) -> None:
         """Fewer than rollout.min_generators engines in the rotation: the run goes on while
@@ -233,45 +251,55 @@ class GeneratorHealth:
     # ------------------------------------------------------------------ restarts
 
     def _restart(self, index: int) -> None:
-        """Restart generator `index`, bring it to the current weights and version over a group
-        of its own, and put it back in the rotation; bounded attempts with backoff. One whose
-        node is gone (or whose actor cannot be placed) is re-created when Ray can place it."""
-        from megatron_rl.cluster.generators import GeneratorUnplaceable
-
+        """Start bringing generator `index` back: restarted in place, or, when its node is gone,
+        re-created when Ray can place it. Not waited for (`_take_back_placed` polls it), so any
+        number of engines restart at once; bounded attempts with backoff, per engine."""
         failure = next((f for f in self._failures if f.index == index), None)
         name = self.generators.names[index]
         fault = dict(kind="generator", what=failure.reason if failure else name,
                      detected_at=failure.detected_at if failure else time.time(),
                      requeued_groups=failure.requeued_groups if failure else 0, steps_lost=0)
+        self._strikes.pop(index, None)  # it left: back, it starts with none
+        if time.monotonic() - self._restarted_at.get(index, -math.inf) > _STABLE_S:
+            self._restarts[index] = 0  # it served a while: a new failure, not a loop
         if index in self._lost:  # the node is gone: no restart in place
             self._place_later(index, fault, self._lost.pop(index))
             return
-        if time.monotonic() - self._restarted_at.get(index, -math.inf) > _STABLE_S:
-            self._restarts[index] = 0  # it served a while: a new failure, not a loop
-        while True:
-            attempt = self._restarts.get(index, 0)
-            if attempt >= self.cfg.rollout.max_generator_restarts:
-                self._give_up(index, fault, attempt)
-                return
-            notice(f"generator {name!r} failed ({fault['what'].splitlines()[0][:200]}); "
-                   f"restarting it (attempt {attempt + 1} of "
-                   f"{self.cfg.rollout.max_generator_restarts})")
-            self._restarts[index] = attempt + 1
-            try:
-                endpoint = self.generators.restart(index)
-                self._take_back(index, endpoint, fault)
-                return
-            except GeneratorUnplaceable as exc:
-                self._place_later(index, fault, str(exc))
-                return
-            except TrainerFailure:
-                raise
-            except Exception as exc:  # noqa: BLE001 (retried with backoff, then given up)
-                notice(f"generator {name!r}: restart failed: {type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0][:300]}")
-                time.sleep(min(60.0, 2.0 * 2 ** attempt))
+        self._placing[index] = fault
+        self._attempt(index)
+
+    def _attempt(self, index: int) -> None:
+        """The next restart of generator `index` (its fault in `_placing`), or give it up once
+        rollout.max_generator_restarts attempts in a row were spent."""
+        fault, name = self._placing[index], self.generators.names[index]
+        attempt, limit = self._restarts.get(index, 0), self.cfg.rollout.max_generator_restarts
+        if attempt >= limit:
+            self._give_up(index, fault, attempt)
+            return
+        notice(f"generator {name!r} failed ({fault['what'].splitlines()[0][:200]}); "
+               f"restarting it (attempt {attempt + 1} of {limit})")
+        self._restarts[index] = attempt + 1
+        self.generators.restart(index)
+
+    def _start_failed(self, index: int, error: Exception) -> None:
+        """An attempt to bring generator `index` back failed (its start, a health check after
+        it, or its weights): the next one after a backoff (2 s, doubling, at most 60 s), or
+        given up when that was the last allowed."""
+        self._started.pop(index, None)
+        self._joining.pop(index, None)
+        self._joining_connected.discard(index)
+        self._lost.pop(index, None)  # the next restart finds out again where it can run
+        attempt = self._restarts.get(index, 0)
+        notice(f"generator {self.generators.names[index]!r}: restart failed: "
+               f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
+        if attempt >= self.cfg.rollout.max_generator_restarts:
+            self._give_up(index, self._placing[index], attempt)
+        else:
+            self._retry_at[index] = time.monotonic() + min(60.0, 2.0 * 2 ** max(attempt - 1, 0))
 
     def _give_up(self, index: int, fault: dict, attempts: int) -> None:
+        for pending in (self._placing, self._retry_at, self._started, self._joining):
+            pending.pop(index, None)
         self._given_up.add(index)
         notice(f"generator {self.generators.names[index]!r}: given up after {attempts} "
                f"restart(s) that did not last {_STABLE_S:.0f} s; the run goes on with the "
@@ -280,8 +308,9 @@ class GeneratorHealth:
         ledger.record_fault(self.out, recovered=False, **fault)
 
     def _place_later(self, index: int, fault: dict, why: str) -> None:
-        """Re-create generator `index` in its bundle once Ray can place it; the run goes on
-        without it meanwhile."""
+        """Re-create generator `index` in its bundle once Ray can place it (an attempt, counted
+        when it fails to start); the run goes on without it meanwhile."""
+        self._restarts[index] = self._restarts.get(index, 0) + 1
         self.generators.replace(index)
         first, name = fault["what"].splitlines()[0][:200], self.generators.names[index]
         if "was lost" not in first:  # first seen by a request or a health check
@@ -295,52 +324,77 @@ class GeneratorHealth:
                f"{len(self.clients)} engines; it is re-created when Ray can place it (the node "
                "back, or another with room)")
 
-    def _take_back_placed(self) -> None:
-        """Bring the re-created generators that Ray placed and that started into the rotation;
-        one that failed to start is re-created again (counted as a restart)."""
+    def _take_back_placed(self, *, now: bool) -> None:
+        """Poll every generator being brought back, all in one pass: the next attempt of those
+        whose backoff is over starts, one that failed to start spends an attempt, and those
+        that started come back into the rotation together (`_take_back`). With `now` (a check
+        before a weight sync: the trainer holds newer weights than version()), the started ones
+        are not given those weights under the older version: they join the coming sync (the
+        trainer's sync is connected to them) and enter the rotation at the next check, holding
+        the version that sync published."""
         if not self._placing:
             return
-        for index, result in self.generators.poll_replacements().items():
-            fault = self._placing.pop(index)
-            if not isinstance(result, Exception):
-                try:
-                    self._take_back(index, result, fault)
-                    continue
-                except TrainerFailure:
-                    raise
-                except Exception as exc:  # noqa: BLE001 (counted, placed again)
-                    result = exc
-            attempt = self._restarts.get(index, 0) + 1
-            self._restarts[index] = attempt
-            notice(f"generator {self.generators.names[index]!r}: re-creating it failed "
-                   f"({type(result).__name__}: {str(result).splitlines()[0][:300]})")
-            if attempt >= self.cfg.rollout.max_generator_restarts:
-                self._give_up(index, fault, attempt)
+        clock = time.monotonic()
+        for index in sorted(i for i, at in self._retry_at.items() if at <= clock):
+            del self._retry_at[index]
+            self._attempt(index)
+        for index, result in sorted(self.generators.poll_replacements().items()):
+            if isinstance(result, Exception):
+                self._start_failed(index, result)
             else:
-                self._place_later(index, fault, "its start failed")
-
-    def _take_back(self, index: int, endpoint, fault: dict) -> None:
-        """A (re)started engine to the current weights and version over a weight-update group
-        of its own (the others go on generating), then back in the rotation, and the trainer's
-        weight sync over every engine in the rotation."""
-        name = self.generators.names[index]
-        if self.generators.connected - self._names(self._rotation()) - {name}:
-            self._connect_rotation()  # engines that left since: out of the trainer's sync
+                self._started[index] = result
+        for index in sorted(set(self._started) & set(self._lost)):  # started, then its node went
+            self._start_failed(index, RuntimeError(self._lost[index]))
         version = self._version()
-        trainer_call(lambda: self.cluster.trainers.sync_new_generators(
-            [endpoint], self.cluster.model_dir, version))
-        self._restarted_at[index] = time.monotonic()
-        client = self._new_client(endpoint.url)
-        old, self.clients[index] = self.clients[index], client
-        self.loop.call(old.close())
-        self.loop.run(lambda: self.manager.mark_up(index, client))
+        if now:
+            for index in self._started:
+                self._joining.setdefault(index, version)
+            return
+        synced = {i for i, joined_at in self._joining.items()  # the sync since gave them one
+                  if version > joined_at and i in self._joining_connected}
+        self._joining.clear()
+        self._joining_connected.clear()
+        if self._started:
+            self._take_back(dict(sorted(self._started.items())), version, synced=synced)
+
+    def _take_back(self, started: dict, version: int, *, synced: set[int]) -> None:
+        """Started engines ({index: endpoint}) to the trainer's weights as `version`, all over
+        one weight-update group of their own (the others go on generating; `synced` ones have
+        them already), then back in the rotation together; the trainer's main sync is rebuilt
+        once, over the new rotation. When the sync fails, the engines that fail a health check
+        spend an attempt (all of them when none does); the others are taken back next time."""
+        fresh = {i: e for i, e in started.items() if i not in synced}
+        target = dict(sorted({**self._rotation(), **started}.items()))
+        if fresh:
+            try:
+                trainer_call(lambda: self.cluster.trainers.sync_new_generators(
+                    list(fresh.values()), self.cluster.model_dir, version,
+                    connect=list(target.values())))
+            except TrainerFailure:
+                raise
+            except Exception as exc:  # noqa: BLE001 (an engine failed during it: which?)
+                failed = self.generators.unhealthy(
+                    sorted(fresh), timeout_s=self.cfg.rollout.health_check_timeout_s)
+                for index in sorted(failed or fresh):
+                    self._start_failed(index, failed.get(index, exc))
+                return
+            self.generators.connected = self._names(target)
+        for index, endpoint in started.items():
+            client = self._new_client(endpoint.url)
+            old, self.clients[index] = self.clients[index], client
+            self.loop.call(old.close())
+            self.loop.run(lambda i=index, c=client: self.manager.mark_up(i, c))
+            self._restarted_at[index] = time.monotonic()
+            self._strikes.pop(index, None)  # back: it starts with none
+            self._started.pop(index)
+            self._drop_failure(index)
+            ledger.record_fault(self.out, **self._placing.pop(index))
         self._on_restarted()
-        self._drop_failure(index)
-        ledger.record_fault(self.out, **fault)
-        self._connect_rotation()
-        notice(f"generator {name!r} is back at {endpoint.url} (node {endpoint.node_ip}) with "
-               f"policy version {version}; {self.in_rotation()} of {len(self.clients)} engines "
-               "in the rotation")
+        self._connect_rotation()  # only when the rotation changed meanwhile
+        back = [f"{e.name!r} at {e.url} (node {e.node_ip})" for e in started.values()]
+        more = f" and {len(back) - 8} more (processes.json)" if len(back) > 8 else ""
+        notice(f"generator(s) back with policy version {version}: {', '.join(back[:8])}{more}; "
+               f"{self.in_rotation()} of {len(self.clients)} engines in the rotation")
 
     def _drop_failure(self, index: int) -> None:
         self._failures = [f for f in self._failures if f.index != index]
@@ -357,14 +411,18 @@ class GeneratorHealth:
         return {e.name for e in endpoints.values()}
 
     def _connect_rotation(self) -> None:
-        """Connect the trainer's weight sync to the engines in the rotation, when it covers
-        others (an engine left, or came back)."""
-        rotation = self._rotation()
-        if not rotation or self._names(rotation) == self.generators.connected:
+        """Connect the trainer's weight sync to the engines in the rotation and those joining
+        it at the coming sync, when it covers others (an engine left, or came back)."""
+        rotation = self._rotation() | {i: self._started[i] for i in self._joining}
+        rotation = dict(sorted(rotation.items()))
+        # A joining engine has a new address under its old name: names alone do not tell.
+        if not rotation or (self._names(rotation) == self.generators.connected
+                            and self._joining_connected == set(self._joining)):
             return
         trainer_call(lambda: self.cluster.trainers.connect_generators(
             list(rotation.values()), hf_config_dir=self.cluster.model_dir))
         self.generators.connected = self._names(rotation)
+        self._joining_connected = set(self._joining)
 
 
 class TrainerRestarts:
@@ -375,10 +433,14 @@ class TrainerRestarts:
         self.cfg, self.out = cfg, out
         self.count = 0
 
-    def begin(self, failure: TrainerFailure, *, failed_step: int) -> float:
-        """A restart is about to happen: counted, or RunStopped past the limit. Returns the
-        time the failure was detected."""
+    def begin(self, failure: TrainerFailure, *, failed_step: int,
+              stop_if_node_lost: Callable[[], None]) -> float:
+        """A restart is about to happen: counted, or RunStopped past the limit. A lost node is
+        no restart: `stop_if_node_lost()` (RunCluster.stop_if_trainer_node_lost, which waits
+        for Ray's verdict on a node whose raylet went) raises NodeLost first. Returns the time
+        the failure was detected."""
         detected = time.time()
+        stop_if_node_lost()
         self.count += 1
         limit = self.cfg.train.max_trainer_restarts
         if self.count > limit:

@@ -164,10 +164,9 @@ class GracefulStop:
     def _on_signal(self, sig: signal.Signals) -> None:
         from megatron_rl.console import notice
 
-        if RUN_STOP.requested:
-            notice(f"second {sig.name}: stopping now, without a checkpoint (every process of "
-                   "the run is killed; the last checkpoint stands)")
-            hard_stop(128 + sig)
+        if RUN_STOP.requested:  # kill first: writing the line may block (a full stderr pipe)
+            hard_stop(128 + sig, line=f"second {sig.name}: stopping now, without a checkpoint "
+                      "(every process of the run is killed; the last checkpoint stands)")
         RUN_STOP.request(sig)
         notice(f"{sig.name}: abandoning the wait for generation (a trainer step under way "
                f"gets {RUN_STOP.grace_s:.0f} s), then writing a checkpoint and stopping (send "
@@ -179,9 +178,14 @@ def _wake_only(signum, frame) -> None:
     fd); it must exist so that the interpreter's C handler writes that fd."""
 
 
-def hard_stop(status: int) -> None:
+_WRITE_S = 1.0  # how long the hard stop lets its last line and the flushes take
+
+
+def hard_stop(status: int, *, line: str | None = None) -> None:
     """SIGKILL every descendant of this process (a new one started meanwhile is caught by the
-    next sweep), then exit with `status` at once, from any thread."""
+    next sweep), then exit with `status` at once, from any thread. The operator's `line` and
+    the flushes come after the kill and may take _WRITE_S at most: stderr may be a pipe that is
+    full and not read (or held by a thread blocked on it), and the stop must not wait on it."""
     import psutil
 
     me = psutil.Process()
@@ -195,6 +199,16 @@ def hard_stop(status: int) -> None:
         if not killed:
             break
         psutil.wait_procs(killed, timeout=1.0)
-    sys.stderr.flush()
-    sys.stdout.flush()
+
+    def write() -> None:
+        if line is not None:
+            from megatron_rl.console import notice
+
+            notice(line)
+        sys.stderr.flush()
+        sys.stdout.flush()
+
+    writer = threading.Thread(target=write, name="hard-stop-line", daemon=True)
+    writer.start()
+    writer.join(_WRITE_S)  # os._exit ends the process also while the writer is blocked
     os._exit(status)

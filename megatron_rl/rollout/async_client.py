@@ -16,6 +16,16 @@ receive and then lost its connection is generated twice; the result kept is the 
 own log-probs and versions. The client also drops its own idle connections after
 KEEPALIVE_S, sooner than the server does, which avoids most of these races.
 
+The engine, not the client, holds the queue: the client opens one connection per request in
+flight, with no cap (aiohttp's pool limits, total and per host, are off). A capped pool would
+hold the requests beyond its size first-in-first-out in the client: an engine would never batch
+more than the pool's size, and a continuation (rollout.continuations_first, SGLang priority)
+would wait behind every fresh request queued there instead of going first at the engine. The
+driver holds one socket per request in flight across its engines (ScaleRL's default: (k + 1) x
+48 groups x 16 training requests, plus a validation's 1000 x 16), so `reserve_open_files`
+raises the process's open-file limit at the start of a run, and a request that meets the
+limit anyway fails naming it, not the engine (which would be taken out as dead).
+
 The client also keeps the generator's activity for the run's metrics (`activity()`): how long at
 least one request was in flight (the engine had work; a weight update's pause is subtracted by
 the caller, who knows it) and how many tokens came back.
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import time
 from collections.abc import Sequence
 
@@ -44,6 +55,31 @@ KEEPALIVE_S = 2.0  # below uvicorn's 5 s keep-alive timeout (SGLang's HTTP serve
 # A server that does not even accept a TCP connection this long is not answering (the kernel
 # accepts connections for a busy server); it counts like a broken connection (retried, then dead).
 CONNECT_TIMEOUT_S = 30.0
+# Open files of the driver besides its requests' sockets: Ray's connections, logs, verifier
+# workers' pipes, the probe connections, the weight-update calls.
+RESERVED_OPEN_FILES = 1024
+
+
+def reserve_open_files(num_requests: int) -> int:
+    """Make room for `num_requests` requests in flight at once in this process (one socket
+    each) plus RESERVED_OPEN_FILES: the soft RLIMIT_NOFILE is raised as far as needed (an
+    unprivileged process may, up to the hard limit). Returns the soft limit; a hard limit too
+    low is an error naming the fix."""
+    import resource
+
+    needed = num_requests + RESERVED_OPEN_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise RuntimeError(
+            f"up to {num_requests} generation requests may be in flight at once, one socket "
+            f"each, but this process may open at most {hard} files (hard RLIMIT_NOFILE); raise "
+            f"it to at least {needed} (`ulimit -Hn`, /etc/security/limits.conf, docker run "
+            "--ulimit nofile=...) or lower the requests in flight (rollout.max_off_policyness, "
+            "train.global_batch_size, eval.num_heldout_prompts, eval.samples_per_prompt)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return needed
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,17 +108,13 @@ class AsyncSGLangClient:
 
     def __init__(self, url: str, *, api_key: str | None = None,
                  request_timeout_s: float | None = None, connection_retries: int = 3,
-                 backoff_s: float = 0.2, return_routed_experts: bool = False,
-                 max_connections: int = 100):
+                 backoff_s: float = 0.2, return_routed_experts: bool = False):
         self.url = url.rstrip("/")
         self._headers = auth_headers(api_key)  # the engine's API key (SGLangServerSettings)
         # Routing replay: every result carries its positions' routed experts (the server must
         # run with enable_return_routed_experts).
         self.return_routed_experts = return_routed_experts
         self.request_timeout_s = request_timeout_s
-        # Requests beyond it wait here for a connection (they count as in flight; SGLang would
-        # queue them too). aiohttp's default; each connection is a file descriptor.
-        self.max_connections = max_connections
         self.connection_retries = connection_retries
         self.backoff_s = backoff_s
         self.reconnects = 0  # requests resent after a broken connection (all time)
@@ -164,8 +196,10 @@ class AsyncSGLangClient:
                 headers=self._headers,
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s,
                                               sock_connect=CONNECT_TIMEOUT_S),
-                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S,
-                                               limit=self.max_connections))
+                # One connection per request in flight, no cap: the engine holds the queue
+                # (module docstring). 0 lifts aiohttp's total and per-host pool limits.
+                connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=0,
+                                               limit_per_host=0))
         return self._session
 
     async def generate_one(self, input_ids: Sequence[int], max_new_tokens: int,
@@ -201,6 +235,12 @@ class AsyncSGLangClient:
             try:
                 return await self._post_generate_once(payload, input_ids)
             except aiohttp.ClientConnectionError as exc:
+                if getattr(exc, "errno", None) == errno.EMFILE:  # this process, not the server
+                    raise GeneratorError(
+                        f"no socket for a request to {self.url}: this process has as many open "
+                        "files as RLIMIT_NOFILE allows (one per request in flight); raise the "
+                        "limit (async_client.reserve_open_files, `ulimit -n`) or lower the "
+                        "requests in flight") from exc
                 if attempt == self.connection_retries:
                     raise GeneratorDeadError(
                         f"SGLang server {self.url} does not answer /generate (after "

@@ -8,7 +8,8 @@ One asyncio event loop (a Ray async actor in a cluster run, or the driver's own 
   same server (one group shares its prompt's prefix cache, namespaced by the admission version
   through `extra_key`), then scoring off the event loop (verifiers block: a worker thread);
 - take: the trainer asks for `prompts_per_step` groups; each is checked against the staleness
-  bound at take time (fresh: trained; stale: re-queued or dropped, as the gate's policy says).
+  bound at take time (fresh: trained; stale: re-queued or dropped, as the gate's policy says);
+  `put_back` undoes a take whose groups never reached the trainer (a stop as it completed).
 
 Generator failures (a request that finds the server gone, the driver's health check through
 `mark_down`, or `check_liveness`: requests in flight and no progress for
@@ -78,6 +79,16 @@ class GeneratorFailure:
     requeued_groups: int  # its groups in flight, re-queued under their ids
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Taken:
+    """What a committed `take` changed, for `put_back`."""
+
+    groups: tuple[FinishedGroup, ...]  # in the order they left the buffer
+    requeue_counts: dict[int, int] = dataclasses.field(default_factory=dict)  # group id -> n
+    scored: list[int] = dataclasses.field(default_factory=list)  # prompts given a pass rate
+    retired: set[int] = dataclasses.field(default_factory=set)  # prompts that retired
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class FinishedGroup:
     """G scored completions of one prompt."""
@@ -131,6 +142,7 @@ class RolloutManager:
         self._failures: list[GeneratorFailure] = []
         self._discarded: list[tuple[int, int, str]] = []  # (group id, prompt, decision)
         self._taking: list[FinishedGroup] = []  # fresh groups a `take` holds, not committed
+        self._last_take: _Taken | None = None  # what `put_back` undoes
         self._next_group_id = 0
         self._error: BaseException | None = None
         # Set on every change (a version, a finished group, a take, an error); one event per
@@ -334,7 +346,10 @@ class RolloutManager:
         take cancelled while it waits (a graceful stop abandons it) puts the ones it holds back
         at the head of the buffer, so that nothing is lost or counted twice. (A stale group is
         decided as it comes: so one whose prompt a fresh group of the same take retires is
-        re-queued, not dropped, and its prompt then skipped at admission.)"""
+        re-queued, not dropped, and its prompt then skipped at admission.) A take that completed
+        but whose groups never reached the trainer (its caller stopped meanwhile) is undone by
+        `put_back`."""
+        self._last_take = None
         fresh = self._taking = []  # in the buffer's books until committed (state_dict)
         try:
             while len(fresh) < num_groups:
@@ -355,15 +370,40 @@ class RolloutManager:
             raise
         finally:
             self._taking = []
+        taken = _Taken(groups=tuple(fresh))
         for group in fresh:
-            self._requeue_counts.pop(group.group_id, None)
+            if group.group_id in self._requeue_counts:
+                taken.requeue_counts[group.group_id] = self._requeue_counts.pop(group.group_id)
             decision = self.gate.on_take(group.oldest_version, self.version)
             assert decision == TakeDecision.FRESH, decision
             if not any(r.verifier_failed for r in group.results):  # no verdict, no history
                 passed = sum(r.passed for r in group.results) / len(group.results)
-                self.sampler.update([group.prompt_index], [passed])
+                taken.retired |= self.sampler.update([group.prompt_index], [passed])
+                taken.scored.append(group.prompt_index)
+        self._last_take = taken
         # The batch's order does not depend on which group finished first (deterministic runs).
         return sorted(fresh, key=lambda g: g.group_id)
+
+    def put_back(self, groups: Sequence[FinishedGroup]) -> None:
+        """Undo the latest `take`, whose `groups` never reached the trainer (its caller gave up
+        as it completed: RolloutLoop.abandon): they go back to the head of the buffer, the gate
+        counts them outstanding again and the sampler forgets their pass rates (and un-retires
+        the prompts they retired), as if the take had been cancelled while it waited. So a
+        checkpoint written on a stop holds them, and the ledger has no gap."""
+        taken = self._last_take
+        if taken is None or sorted(g.group_id for g in groups) \
+                != sorted(g.group_id for g in taken.groups):
+            raise RuntimeError(
+                f"put_back of groups {sorted(g.group_id for g in groups)}: only the latest "
+                f"take's groups can be put back "
+                f"({'none' if taken is None else sorted(g.group_id for g in taken.groups)}), "
+                "once and before any other take")
+        self._last_take = None
+        self.gate.on_put_back(len(taken.groups))
+        self.sampler.withdraw(taken.scored, retired=taken.retired)
+        self._requeue_counts.update(taken.requeue_counts)
+        self._finished.extendleft(reversed(taken.groups))  # in the order they were buffered
+        self._notify()
 
     def _discard(self, group: FinishedGroup) -> None:
         """A stale group at take time: re-queued or dropped, as the gate's policy says."""
@@ -429,7 +469,7 @@ class RolloutManager:
                                 for g, n in state.get("requeue_counts", {}).items()}
         self.incarnation += 1
         self._discarded = [tuple(d) for d in state.get("discarded", ())]
-        self._failures, self._error = [], None
+        self._failures, self._error, self._last_take = [], None, None
         expected = len(self._finished) + len(self._retry)
         if self.gate.num_outstanding != expected:
             raise ValueError(f"rollout state: the admission gate counts "

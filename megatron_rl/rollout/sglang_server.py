@@ -5,7 +5,10 @@ nothing is detokenised and retokenised).
 `SGLangServerSettings` maps our rollout configuration onto SGLang's own server arguments (tp_size,
 ep_size, dtype, mem_fraction_static, enable_fp32_lm_head (on by default, SCALERL.md section 6),
 attention_backend, ...); on CPU with tp_size > 1 it also gives each rank its own cores and a
-KV-cache bound (`cpu_threads_bind`, `cpu_rank_max_total_tokens`). `SGLangServer.launch(settings)`
+KV-cache bound (`cpu_threads_bind`, `cpu_rank_max_total_tokens`); on GPU a chunked-attention
+model (Llama-4) gets a backend that honours the chunk or is refused (`gpu_attention_backend`),
+and a colocated Llama-4 engine keeps its weights region across a release
+(WEIGHTS_CPU_BACKUP_ARGS). `SGLangServer.launch(settings)`
 starts `python -m megatron_rl.rollout.sglang_launch <args>` (which applies
 megatron_rl.platform.sglang_cpu's fixes on a CPU-only machine, so the same code path runs here and
 on GPU) in its own process group, tied to the launching process (it and its children die with
@@ -26,6 +29,7 @@ labels a completed update without aborting requests.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -59,6 +63,25 @@ API_KEY_ENV = "MEGATRON_RL_ENGINE_API_KEY"
 # rollout/interruption.py CONTINUATION_PRIORITY), never preempting a running request.
 CONTINUATIONS_FIRST_ARGS = ("--enable-priority-scheduling", "--default-priority-value", "0",
                             "--disable-priority-preemption")
+# Llama-4's chunked attention (attention_chunk_size: on its RoPE layers, RadixAttention.use_irope,
+# a token attends within its chunk only) is implemented on GPU in SGLang 0.5.23 by the
+# flash-attention backend alone (layers/attention/flashattention_backend.py builds chunk-local
+# metadata, LocalAttentionMetadataBuilder). triton and trtllm_mha (SGLang's Llama-4 default on
+# SM100, i.e. GB200) read layer.sliding_window_size, which stays -1 for Llama-4: full causal
+# attention, every token past the first chunk from another model (and the hybrid sliding-window
+# KV pool SGLang gives Llama-4 evicts entries those kernels still read). fa4 implements it too,
+# but SGLang's model hook refuses fa4 for Llama-4 (arg_groups/model_hook.py), and fa3 is built
+# for Hopper (compute capability 9.x) only. So a chunked model is served with fa3, on Hopper.
+CHUNKED_ATTENTION_BACKENDS = ("fa3",)
+CHUNKED_ATTENTION_CAPABILITY = 9  # fa3: Hopper (SM90)
+# Colocated Llama-4 (release / resume with the memory saver): SGLang builds the q/k norm as
+# RMSNorm(has_weight=False), whose weight of ones is a plain tensor attribute allocated in the
+# memory saver's weights region. A release frees the region; the resume restores parameters
+# (from the weight sync) and buffers (SGLang stashes them) but not that tensor, so q and k would
+# be scaled by whatever the memory then holds. SGLang's weights CPU backup copies the whole
+# region to host memory at release and back at resume (one copy of the weights in host memory
+# per engine rank; the sync overwrites the parameters afterwards anyway).
+WEIGHTS_CPU_BACKUP_ARGS = ("--enable-weights-cpu-backup",)
 
 
 def unused_model_modules(model_path: str) -> list[str] | None:
@@ -209,7 +232,14 @@ class SGLangServerSettings:
             args.append("--enable-return-routed-experts")
         if self.enable_memory_saver:
             args.append("--enable-memory-saver")
-        attention_backend = self.attention_backend or ("torch_native" if device == "cpu" else None)
+        if device == "cpu":
+            attention_backend = self.attention_backend or "torch_native"
+        else:
+            attention_backend = gpu_attention_backend(
+                self.attention_backend, chunk_size=_attention_chunk_size(self.model_path),
+                compute_capability=gpu_compute_capability())
+            if self.enable_memory_saver and _has_weightless_qk_norm(self.model_path):
+                args += WEIGHTS_CPU_BACKUP_ARGS
         if attention_backend is not None:
             args += ["--attention-backend", attention_backend]
         if device == "cpu":
@@ -280,15 +310,84 @@ def is_moe_model(model_path: str) -> bool:
                for c in (config, config.get("text_config") or {}))
 
 
-def _uses_chunked_attention(model_path: str) -> bool:
-    """Whether the HF config (or its text_config) sets attention_chunk_size (Llama-4)."""
+def _hf_configs(model_path: str) -> list[dict]:
+    """The HF config and its text_config ([] without a config.json)."""
     import json
 
     path = Path(model_path) / "config.json"
     if not path.is_file():
-        return False
+        return []
     config = json.loads(path.read_text())
-    return any(c.get("attention_chunk_size") for c in (config, config.get("text_config") or {}))
+    return [config, config.get("text_config") or {}]
+
+
+def _attention_chunk_size(model_path: str) -> int | None:
+    """The HF config's (or its text_config's) attention_chunk_size (Llama-4), else None."""
+    return next((c["attention_chunk_size"] for c in _hf_configs(model_path)
+                 if c.get("attention_chunk_size")), None)
+
+
+def _uses_chunked_attention(model_path: str) -> bool:
+    """Whether the HF config (or its text_config) sets attention_chunk_size (Llama-4)."""
+    return _attention_chunk_size(model_path) is not None
+
+
+def _has_weightless_qk_norm(model_path: str) -> bool:
+    """Whether SGLang builds the model's q/k norm with a weight outside its parameters and
+    buffers (Llama-4 with use_qk_norm: see WEIGHTS_CPU_BACKUP_ARGS)."""
+    configs = _hf_configs(model_path)
+    llama4 = any(a in ("Llama4ForCausalLM", "Llama4ForConditionalGeneration")
+                 for a in (configs[0].get("architectures") or [] if configs else []))
+    return llama4 and any(c.get("use_qk_norm") for c in configs)
+
+
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """The compute capability of this node's first GPU, from NVML (no CUDA context: the
+    launching process may share the GPU with a trainer rank); None without NVML or a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 (no NVML: unknown)
+        return None
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(
+            pynvml.nvmlDeviceGetHandleByIndex(0))
+        return int(major), int(minor)
+    except Exception:  # noqa: BLE001
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def gpu_attention_backend(requested: str | None, *, chunk_size: int | None,
+                          compute_capability: tuple[int, int] | None) -> str | None:
+    """The attention backend of a GPU engine: `requested` (None: SGLang's default) for a model
+    without chunked attention; for one with it (`chunk_size`), a backend that honours the chunk
+    (CHUNKED_ATTENTION_BACKENDS) or a ValueError that names the fix. `compute_capability` None
+    (unknown): fa3, which SGLang refuses loudly off Hopper."""
+    if chunk_size is None:
+        return requested
+    hopper = compute_capability is None or compute_capability[0] == CHUNKED_ATTENTION_CAPABILITY
+    where = ("" if compute_capability is None
+             else f" on compute capability {compute_capability[0]}.{compute_capability[1]}")
+    if requested is not None and requested not in CHUNKED_ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend {requested!r} ignores the model's chunked attention "
+            f"(attention_chunk_size {chunk_size}: Llama-4): every token past position "
+            f"{chunk_size} would be generated by another model than the trainer's. Set "
+            f"rollout.attention_backend to one of {CHUNKED_ATTENTION_BACKENDS} (Hopper GPUs) or "
+            "leave it unset (docs/generators.md, 'Chunked attention on GPU')")
+    if not hopper:
+        raise ValueError(
+            f"no attention backend of SGLang 0.5.23 serves the model's chunked attention "
+            f"(attention_chunk_size {chunk_size}: Llama-4){where}: trtllm_mha (SGLang's default "
+            "there) and triton ignore the chunk, fa4 is refused for Llama-4, and fa3 needs "
+            "Hopper (9.x). Serve the generator engines on Hopper GPUs (H100 / H200) or with an "
+            "SGLang whose Blackwell backends implement chunked attention (docs/generators.md, "
+            "'Chunked attention on GPU')")
+    return requested or CHUNKED_ATTENTION_BACKENDS[0]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -231,6 +231,18 @@ class AdmissionGate:
         self._num_dropped += 1
         return TakeDecision.DROP
 
+    def on_put_back(self, num_groups: int) -> None:
+        """Undo `on_take` of `num_groups` fresh groups that went back to the buffer untrained
+        (their take's caller stopped as it completed: RolloutManager.put_back); they are
+        outstanding again. Refused for groups the trainer's version already counts on."""
+        _require_int("num_groups", num_groups, minimum=0)
+        spare = self._num_trained - self._trainer_version * self.settings.prompts_per_step
+        if num_groups > spare:
+            raise ValueError(f"cannot put back {num_groups} trained groups: trainer version "
+                             f"{self._trainer_version} counts on all but {spare} of the "
+                             f"{self._num_trained} trained")
+        self._num_trained -= num_groups
+
     def on_abandon(self, num_groups: int = 1) -> None:
         """Record admitted groups that will never be taken (generator lost, or in flight at a
         checkpoint that did not keep them); their slots are given back. Re-admitting their

@@ -7,8 +7,10 @@ else the `eval.warmup_compute_gpu_hours` of the run directories' config.yaml (th
 wrote), else 0; the run prints which. Optional: the extrapolation protocol (`--fit-fraction` /
 `--fit-budget`), the power law on the same points (`--power-law`), and the 0.02-rule comparison
 of every curve against the first (`--compare`). Writes curves.png and efficiency.png (and
-extrapolation.png) to `--out-dir`, and with `--json PATH` every fit as JSON. Bad logs exit with
-status 2 and one line naming the problem.
+extrapolation.png) to `--out-dir`, and with `--json PATH` every fit as JSON. A fit that describes
+no learning (A within one grid step of R0, B or C_mid at a bound: sigmoid.py) is printed and
+written as "no learning signal" with the reason, not as parameters. Bad logs exit with status 2
+and one line naming the problem.
 """
 from __future__ import annotations
 
@@ -98,6 +100,9 @@ def _run(args: argparse.Namespace) -> int:
                                 warmup_compute=config.warmup_compute) if args.power_law else None
                   for s in series]
     print_table(console, _fit_table(series, fits, power_laws, config))
+    for s, fit in zip(series, fits):
+        if fit.no_learning_signal is not None:
+            console.print(f"{s.label}: {NO_SIGNAL}: {fit.no_learning_signal}")
     reports: list[ExtrapolationReport] = []
     if args.fit_fraction is not None or args.fit_budget is not None:
         reports = [extrapolation_report(s, r0=args.r0, fit_budget=args.fit_budget,
@@ -151,12 +156,29 @@ def _warmup_gpu_hours(flag: float | None, paths: list[str]) -> tuple[float, str]
     return value, f"eval.warmup_compute_gpu_hours of {where}"
 
 
+NO_SIGNAL = "no learning signal"
+
+
 def fit_record(fit: SigmoidFit) -> dict:
     """A fit as JSON: the parameters with their intervals (null without a bootstrap), the
-    points used and excluded as warm-up, the RMSE."""
-    return {"r0": fit.r0, "a": fit.a, "a_ci": fit.a_ci, "b": fit.b, "b_ci": fit.b_ci,
-            "c_mid": fit.c_mid, "c_mid_ci": fit.c_mid_ci, "num_points": fit.num_points,
-            "num_warmup_excluded": fit.num_warmup_excluded, "rmse": fit.rmse}
+    points used and excluded as warm-up, the RMSE; a fit with no learning signal has the reason
+    in `no_learning_signal` and null parameters (they are not findings)."""
+    record = {"r0": fit.r0, "a": fit.a, "a_ci": fit.a_ci, "b": fit.b, "b_ci": fit.b_ci,
+              "c_mid": fit.c_mid, "c_mid_ci": fit.c_mid_ci, "num_points": fit.num_points,
+              "num_warmup_excluded": fit.num_warmup_excluded, "rmse": fit.rmse,
+              "no_learning_signal": fit.no_learning_signal}
+    if fit.no_learning_signal is not None:
+        record.update(dict.fromkeys(("a", "a_ci", "b", "b_ci", "c_mid", "c_mid_ci")))
+    return record
+
+
+def fit_cells(fit: SigmoidFit) -> list[str]:
+    """A, B, C_mid with their intervals, or "no learning signal" and dashes (the reason is
+    printed below the table)."""
+    if fit.no_learning_signal is not None:
+        return [NO_SIGNAL, "-", "-"]
+    return [with_ci(fit.a, fit.a_ci, ".3f"), with_ci(fit.b, fit.b_ci, ".3f"),
+            with_ci(fit.c_mid, fit.c_mid_ci, "gpu_hours")]
 
 
 def _write_json(path: Path, series: list[ScalingSeries], fits: list[SigmoidFit],
@@ -201,8 +223,7 @@ def _fit_table(series: list[ScalingSeries], fits: list[SigmoidFit],
     if any(power_laws):
         table.add_column("power-law A", no_wrap=True)
     for s, fit, power_law in zip(series, fits, power_laws):
-        row = [s.run, s.task, f"{fit.r0:.3f}", with_ci(fit.a, fit.a_ci, ".3f"),
-               with_ci(fit.b, fit.b_ci, ".3f"), with_ci(fit.c_mid, fit.c_mid_ci, "gpu_hours"),
+        row = [s.run, s.task, f"{fit.r0:.3f}", *fit_cells(fit),
                str(fit.num_points), str(fit.num_warmup_excluded), f"{fit.rmse:.4f}"]
         if any(power_laws):
             row.append(f"{power_law.a:.3f}" if power_law else "-")
@@ -220,8 +241,9 @@ def _extrapolation_table(reports: list[ExtrapolationReport]) -> Table:
         power_law_a = f"{r.power_law.a:.3f}" if r.power_law else "-"
         power_law_end = (f"{r.held_out_power_law[-1]:.3f}" if r.held_out_power_law is not None
                          else "-")
+        window_a = NO_SIGNAL if r.sigmoid.no_learning_signal else f"{r.sigmoid.a:.3f}"
         table.add_row(r.label, format_value(r.fit_budget, "gpu_hours"),
-                      str(r.sigmoid.num_points), f"{r.sigmoid.a:.3f}", power_law_a,
+                      str(r.sigmoid.num_points), window_a, power_law_a,
                       format_value(r.final_compute, "gpu_hours"),
                       f"{r.final_observed:.3f}", f"{r.final_predicted:.3f}",
                       f"{r.final_error:+.3f}", power_law_end, f"{r.held_out_rmse:.4f}")
@@ -236,7 +258,8 @@ def _comparison_table(comparisons: list[RecipeComparison]) -> Table:
     for c in comparisons:
         b_a = with_ci(c.refit_a.b, c.refit_a.b_ci, ".3f") if c.refit_a else "-"
         b_b = with_ci(c.refit_b.b, c.refit_b.b_ci, ".3f") if c.refit_b else "-"
-        table.add_row(c.label_a, c.label_b, f"{c.fit_a.a:.3f}", f"{c.fit_b.a:.3f}",
+        a_a, a_b = (NO_SIGNAL if f.no_learning_signal else f"{f.a:.3f}" for f in (c.fit_a, c.fit_b))
+        table.add_row(c.label_a, c.label_b, a_a, a_b,
                       "yes" if c.a_equal else "no", b_a, b_b, c.better or "tie", c.verdict)
     return table
 

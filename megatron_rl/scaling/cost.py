@@ -233,10 +233,9 @@ def estimate_cost(config: CostConfig) -> CostReport:
     n_active = config.num_active_params
     decode_flops = 2.0 * n_active * tokens.decode * num_samples
     prefill_flops = 2.0 * n_active * tokens.prefill * num_samples
-    train_flops = (6.0 + (2.0 if config.reference_model else 0.0)) * n_active * tokens.trained \
-        * num_samples
+    train_flops = train_flops_per_token(config) * tokens.trained * num_samples
 
-    weight_bytes = config.total_params * WEIGHT_BYTES[config.generator_precision]
+    weight_bytes = generator_weight_bytes(config)
     min_generator = _ceil(weight_bytes * config.memory_overhead_factor
                           / (accelerator.memory_bytes * config.mem_fraction_static))
     engine = config.generator_devices_per_instance or _auto_engine_size(config, accelerator,
@@ -250,10 +249,10 @@ def estimate_cost(config: CostConfig) -> CostReport:
         * decode["step_seconds"] * engine
     if not config.pipeline_rl:
         decode_device_seconds *= config.long_tail_factor
-    generator_peak = accelerator.peak_flops(config.generator_precision)
-    prefill_device_seconds = prefill_flops / (generator_peak * config.prefill_mfu)
-    train_device_seconds = train_flops / (accelerator.peak_flops(config.train_precision)
-                                          * config.train_mfu)
+    prefill_device_seconds = compute_seconds(prefill_flops, accelerator,
+                                             config.generator_precision, config.prefill_mfu)
+    train_device_seconds = compute_seconds(train_flops, accelerator, config.train_precision,
+                                           config.train_mfu)
     trainer_bytes = config.total_params * (config.trainer_bytes_per_param
                                            + (2.0 if config.reference_model else 0.0))
     min_trainer = _ceil(trainer_bytes * config.memory_overhead_factor / accelerator.memory_bytes)
@@ -286,22 +285,47 @@ def _auto_engine_size(config: CostConfig, accelerator: Accelerator, weight_bytes
     return size
 
 
-def _decode(config: CostConfig, accelerator: Accelerator, tokens: TokenCounts, engine: int,
-            weight_bytes: float) -> dict[str, Any]:
-    """Batch, step time and bound of one generator engine in steady-state continuous batching."""
-    kv_bytes_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim \
-        * config.kv_cache_bytes  # K and V, every layer
-    kv_bytes_per_sequence = kv_bytes_per_token * tokens.mean_decode_context
-    free = engine * accelerator.memory_bytes * config.mem_fraction_static \
-        - weight_bytes * config.memory_overhead_factor
-    batch_cap = int(free // kv_bytes_per_sequence)
-    if batch_cap < 1:
-        raise ValueError(f"no KV memory left for a single sequence of "
-                         f"{tokens.mean_decode_context:.0f} tokens on {engine} device(s); raise "
-                         "generator_devices_per_instance")
-    batch = min(config.max_running_requests, batch_cap)
+# The formulas below are shared with the simulator (megatron_rl/simulation): its engines and
+# trainer take their step times from them, so `megatron-rl cost` and `megatron-rl simulate`
+# cannot disagree on a figure both compute.
+
+def compute_seconds(flops: float, accelerator: Accelerator, precision: str, mfu: float,
+                    num_devices: int = 1) -> float:
+    """Seconds for `flops` of MFU-bound work (prefill, training) on `num_devices` devices."""
+    return flops / (num_devices * accelerator.peak_flops(precision) * mfu)
+
+
+def train_flops_per_token(config: CostConfig) -> float:
+    """6N per trained token (forward + backward), +2N for a reference model's forward."""
+    return (6.0 + (2.0 if config.reference_model else 0.0)) * config.num_active_params
+
+
+def generator_weight_bytes(config: CostConfig) -> float:
+    """Bytes of one generator copy of the weights (also what a weight push sends)."""
+    return config.total_params * WEIGHT_BYTES[config.generator_precision]
+
+
+def kv_bytes_per_token(config: CostConfig) -> float:
+    """KV-cache bytes of one token: K and V, every layer."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * config.kv_cache_bytes
+
+
+def kv_free_bytes(config: CostConfig, accelerator: Accelerator, engine: int) -> float:
+    """KV-cache memory of one engine of `engine` devices: the static memory fraction less the
+    weights (with their overhead factor)."""
+    return engine * accelerator.memory_bytes * config.mem_fraction_static \
+        - generator_weight_bytes(config) * config.memory_overhead_factor
+
+
+def decode_step(config: CostConfig, accelerator: Accelerator, engine: int, batch: int,
+                context_tokens: float) -> tuple[float, str, float]:
+    """(seconds, "memory" | "compute", experts touched fraction) of one decode step of an engine
+    of `engine` devices running `batch` sequences whose KV caches hold `context_tokens` tokens
+    in all: the weights read (for MoE, the experts the batch touches under uniform top-k
+    routing) plus every sequence's KV, at decode_bandwidth_efficiency of peak HBM bandwidth;
+    compute-bound only if 2N x batch at decode_mfu takes longer."""
     experts_touched = 1.0
-    weights_read = weight_bytes
+    weights_read = generator_weight_bytes(config)
     if config.num_experts:
         # Uniform top-k routing: an expert is idle in a step only if no token of the batch picks it.
         experts_touched = 1.0 - (1.0 - config.experts_per_token / config.num_experts) ** batch
@@ -310,14 +334,29 @@ def _decode(config: CostConfig, accelerator: Accelerator, tokens: TokenCounts, e
         shared = config.total_params - config.num_experts * expert_each
         weights_read = (shared + config.num_experts * expert_each * experts_touched) \
             * WEIGHT_BYTES[config.generator_precision]
-    step_bytes = weights_read + batch * kv_bytes_per_sequence
+    step_bytes = weights_read + kv_bytes_per_token(config) * context_tokens
     memory_seconds = step_bytes / (engine * accelerator.hbm_bytes_per_s
                                    * config.decode_bandwidth_efficiency)
-    compute_seconds = 2.0 * config.num_active_params * batch / (
+    compute_seconds_ = 2.0 * config.num_active_params * batch / (
         engine * accelerator.peak_flops(config.generator_precision) * config.decode_mfu)
+    return (max(memory_seconds, compute_seconds_),
+            "memory" if memory_seconds >= compute_seconds_ else "compute", experts_touched)
+
+
+def _decode(config: CostConfig, accelerator: Accelerator, tokens: TokenCounts, engine: int,
+            weight_bytes: float) -> dict[str, Any]:
+    """Batch, step time and bound of one generator engine in steady-state continuous batching."""
+    kv_bytes_per_sequence = kv_bytes_per_token(config) * tokens.mean_decode_context
+    batch_cap = int(kv_free_bytes(config, accelerator, engine) // kv_bytes_per_sequence)
+    if batch_cap < 1:
+        raise ValueError(f"no KV memory left for a single sequence of "
+                         f"{tokens.mean_decode_context:.0f} tokens on {engine} device(s); raise "
+                         "generator_devices_per_instance")
+    batch = min(config.max_running_requests, batch_cap)
+    step_seconds, bound, experts_touched = decode_step(
+        config, accelerator, engine, batch, batch * tokens.mean_decode_context)
     return {"batch": batch, "batch_cap": batch_cap, "experts_touched": experts_touched,
-            "step_seconds": max(memory_seconds, compute_seconds),
-            "bound": "memory" if memory_seconds >= compute_seconds else "compute"}
+            "step_seconds": step_seconds, "bound": bound}
 
 
 def best_layout(report: CostReport) -> Layout:

@@ -5,7 +5,8 @@ by default half the run, predict the rest, report predicted vs observed at the e
 power law fitted on the same window for comparison. `compare_recipes` applies the 0.02 rule: A
 values closer than 0.02 are treated as equal (the paper's seed-to-seed spread is +-0.015), both
 runs are refitted with their mean A fixed, and the recipes are compared by B; otherwise the higher
-A wins.
+A wins. When the mean A is not above a run's R0 (a run that starts about where the other ends),
+no curve of that run rises to it: B is not compared and the two are reported equal, saying why.
 """
 from __future__ import annotations
 
@@ -114,7 +115,8 @@ class RecipeComparison:
     fit_a: SigmoidFit  # free-A fits
     fit_b: SigmoidFit
     a_equal: bool  # |A_a - A_b| < tolerance
-    refit_a: SigmoidFit | None  # with the mean A fixed (only when a_equal)
+    # with the mean A fixed (only when a_equal, and only when the mean A is above both R0)
+    refit_a: SigmoidFit | None
     refit_b: SigmoidFit | None
     better: str | None  # label of the better recipe; None when B is equal too
     verdict: str
@@ -144,6 +146,16 @@ def compare_recipes(series_a: ScalingSeries, series_b: ScalingSeries, *,
                                 a_equal=False, refit_a=None, refit_b=None, better=better,
                                 verdict=verdict)
     mean_a = 0.5 * (fit_a.a + fit_b.a)
+    flat = [(label, fit.r0) for label, fit in ((label_a, fit_a), (label_b, fit_b))
+            if fit.r0 >= mean_a]
+    if flat:  # a refit with A at or below R0 is not a curve (fit_sigmoid refuses it)
+        label, r0 = flat[0]
+        verdict = (f"A within {tolerance} ({fit_a.a:.3f} vs {fit_b.a:.3f}), but the mean A "
+                   f"{mean_a:.4f} is not above the R0 {r0:.3f} of {label}: B cannot be compared "
+                   "at a common A; equal")
+        return RecipeComparison(label_a=label_a, label_b=label_b, fit_a=fit_a, fit_b=fit_b,
+                                a_equal=True, refit_a=None, refit_b=None, better=None,
+                                verdict=verdict)
     refit_a = fit_series(series_a, r0=r0_a, config=config, fixed_a=mean_a)
     refit_b = fit_series(series_b, r0=r0_b, config=config, fixed_a=mean_a)
     better = _higher_b(refit_a, refit_b, label_a, label_b)

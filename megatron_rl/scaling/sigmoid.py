@@ -14,7 +14,9 @@ interval of the replicates (`SigmoidFit.bootstrap_samples`). The grid A is not a
 estimate: when the interval is narrower than the A step it may lie beside the grid A, and is
 reported as it is. Parameters stay inside bounds (A in the grid's range, B in [0.01, 50], C_mid
 within a wide band around the data) so that a curve the model cannot explain yields a poor fit,
-never an overflow.
+never an overflow. A fit whose A lies within one grid step of R0, or whose B or C_mid sits at its
+bound, describes no learning (an all-zero curve fits as A = R0 + one step, B = 50): it carries
+`no_learning_signal`, the reason, and its consumers print that instead of the numbers.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from megatron_rl.scaling.series import check_curve
 # B outside this range is not a plausible RL scaling exponent (paper: ~0.3 ... 3); the bounds keep
 # the optimiser away from the flat (B -> 0) and step-function (B -> inf) limits of bad data.
 LOG_B_BOUNDS = (float(np.log(1e-2)), float(np.log(50.0)))
+BOUND_MARGIN = 1e-3  # a fitted (log) B or C_mid this close to a bound, as a share of its range
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -83,6 +86,9 @@ class SigmoidFit:
     c_mid_ci: tuple[float, float] | None = None
     confidence: float = 0.95
     bootstrap_samples: np.ndarray | None = None  # [num_bootstrap, (A, B, C_mid)] replicates
+    # Why the parameters are not a finding (A within one grid step of R0, B or C_mid at a bound);
+    # None for a curve that rises.
+    no_learning_signal: str | None = None
 
     @property
     def num_points(self) -> int:
@@ -146,13 +152,33 @@ def fit_sigmoid(compute: np.ndarray, pass_rate: np.ndarray, *, r0: float,
     fit = SigmoidFit(a=float(a), b=float(b), c_mid=float(np.exp(log_c_mid)), r0=r0,
                      a_fixed=fixed_a is not None, compute=np.exp(x), pass_rate=y,
                      residuals=residuals, num_warmup_excluded=num_warmup_excluded,
-                     confidence=config.confidence)
+                     confidence=config.confidence,
+                     no_learning_signal=_no_learning_signal(
+                         a, b, log_c_mid, r0, x, config, a_fixed=fixed_a is not None))
     if config.num_bootstrap == 0:
         return fit
     samples = _bootstrap_samples(fit, config, a_grid)
     a_ci, b_ci, c_mid_ci = _percentile_intervals(samples, config.confidence)
     return dataclasses.replace(fit, a_ci=a_ci, b_ci=b_ci, c_mid_ci=c_mid_ci,
                                bootstrap_samples=samples)
+
+
+def _no_learning_signal(a: float, b: float, log_c_mid: float, r0: float, x: np.ndarray,
+                        config: SigmoidFitConfig, *, a_fixed: bool) -> str | None:
+    """Why a fit describes no learning, or None. The least-squares optimum of a flat or falling
+    curve is the lowest grid A with B or C_mid driven to a bound; the bootstrap then has nothing
+    to resample around, so its intervals may not even contain the estimate."""
+    reasons = []
+    if not a_fixed and a - r0 <= config.a_step * (1.0 + 1e-6):
+        reasons.append(f"A {a:.3f} within one grid step ({config.a_step:g}) of R0 {r0:.3f}")
+    for name, value, (lo, hi), shown in (
+            ("B", float(np.log(b)), LOG_B_BOUNDS, f"{b:.3g}"),
+            ("C_mid", log_c_mid, _log_c_mid_bounds(x), f"{np.exp(log_c_mid):.3g} GPU-hours")):
+        margin = BOUND_MARGIN * (hi - lo)  # the squashed parameters approach a bound, never reach
+        if value <= lo + margin or value >= hi - margin:
+            reasons.append(f"{name} {shown} at its {'lower' if value <= lo + margin else 'upper'}"
+                           " bound")
+    return "; ".join(reasons) or None
 
 
 def a_grid_for(r0: float, config: SigmoidFitConfig) -> np.ndarray:

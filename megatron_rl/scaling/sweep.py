@@ -8,9 +8,10 @@ RunConfig is built before any run starts, so a bad override stops the sweep at o
 config's own error) and the runs: one after another, or up to `parallel` at once (each then starts
 its own local Ray cluster, or reserves its own placement group on the cluster it joins; a run
 still is just a `megatron-rl train`). A run's own artefacts say where it stands: a
-committed checkpoint at train.num_steps (or past the compute budget) is finished and skipped, an
-earlier one is resumed with the run's own `--resume`, a directory without any starts fresh. The
-report (fits, seed spread, ranking) is sweep_report.py's.
+committed checkpoint at train.num_steps whose validation of that step is logged (or a checkpoint
+past the compute budget) is finished and skipped, an earlier one is resumed with the run's own
+`--resume` (which also validates a last step that a stop left unvalidated), a directory without
+any starts fresh. The report (fits, seed spread, ranking) is sweep_report.py's.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import yaml
 from megatron_rl.config import ConfigError, RunConfig, load_config
 from megatron_rl.resilience.checkpoint import list_checkpoints
 from megatron_rl.scaling.log import LOG_NAME
+from megatron_rl.train import validation_due
 
 PROGRAM = "megatron-rl sweep"
 FIELDS = ("name", "base", "output_dir", "overrides", "variants", "seeds", "budget",
@@ -265,30 +267,61 @@ def _check_runs_apart(runs: list[SweepRun]) -> None:
 # ----------------------------------------------------------------- where a run stands
 
 def run_state(run: SweepRun, spec: SweepSpec) -> tuple[RunState, int | None]:
-    """(state, newest committed checkpoint step) from the run's own artefacts only."""
+    """(state, newest committed checkpoint step) from the run's own artefacts only.
+
+    A checkpoint at train.num_steps finishes the run only with that step's validation logged
+    (when the recipe validates it): a stop during the last validation still writes the
+    checkpoint, and `megatron-rl train --resume` then validates the step and exits without a
+    newer checkpoint, so the point is looked for in the checkpoint's scaling log and in the
+    run's own (which the resumed run restored from that checkpoint and appended to)."""
     checkpoints = list_checkpoints(run.config.checkpoint_dir)  # committed: renamed with manifest
     if not checkpoints:
         started = any((run.output_dir / name).is_file() for name in (LOG_NAME, "ledger.jsonl"))
         return (RunState.RESTART if started else RunState.FRESH), None
     newest = checkpoints[0]
     step = int(newest.name.split("_")[1])
-    done = step >= run.config.train.num_steps or (
+    validated = not validation_due(run.config, step) or any(
+        step in logged_steps(log) for log in (newest / LOG_NAME, run.output_dir / LOG_NAME))
+    done = (step >= run.config.train.num_steps and validated) or (
         spec.budget_compute_gpu_hours is not None
         and logged_compute(newest / LOG_NAME) >= spec.budget_compute_gpu_hours)
     return (RunState.FINISHED if done else RunState.RESUME), step
 
 
-def logged_compute(path: Path) -> float:
-    """The largest compute of a scaling log (0 if none); a line being written is skipped."""
-    if not path.is_file():
-        return 0.0
-    found = 0.0
-    for line in path.read_text(encoding="utf-8").splitlines():
+def _log_records(text: str) -> list[dict]:
+    """The records of a scaling log's text; a line being written is skipped."""
+    records = []
+    for line in text.splitlines():
         try:
-            found = max(found, float(json.loads(line)["compute_gpu_hours"]))
-        except (ValueError, KeyError, TypeError):
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _max_compute(text: str) -> float:
+    found = 0.0
+    for record in _log_records(text):
+        try:
+            found = max(found, float(record["compute_gpu_hours"]))
+        except (KeyError, TypeError, ValueError):
             continue
     return found
+
+
+def logged_compute(path: Path) -> float:
+    """The largest compute of a scaling log (0 if none); a line being written is skipped."""
+    return _max_compute(path.read_text(encoding="utf-8")) if path.is_file() else 0.0
+
+
+def logged_steps(path: Path) -> set[int]:
+    """The steps a scaling log holds a validation of."""
+    if not path.is_file():
+        return set()
+    return {record["step"] for record in _log_records(path.read_text(encoding="utf-8"))
+            if isinstance(record.get("step"), int)}
 
 
 # ------------------------------------------------------------------------------- the runs
@@ -339,7 +372,11 @@ class _Running:
     """One run's `megatron-rl train` subprocess, from start() until poll() returns its exit
     status. poll() passes the sweep's stop signals on and, under a compute budget, sends the run
     SIGTERM (a graceful stop with a checkpoint) once its scaling log reaches the budget; a run
-    already stopping for its budget gets a stop signal's SIGTERM from the second signal on."""
+    already stopping for its budget gets a stop signal's SIGTERM from the second signal on.
+
+    A resumed run's scaling log is, until the run puts back its checkpoint's copy, the previous
+    attempt's: it may hold validations past the checkpoint (a crash, a hard stop) and past the
+    budget. The budget looks at the log only once it differs from what it was at the start."""
 
     def __init__(self, run: SweepRun, spec: SweepSpec, *, resume: bool, head: str) -> None:
         self.run, self.spec, self.resume, self.head = run, spec, resume, head
@@ -347,9 +384,12 @@ class _Running:
         self.started = 0.0  # time.time() at start
         self.num_sigterms = 0  # sent to the run so far
         self.next_budget_check = 0.0  # time.monotonic()
+        self.previous_log: bytes | None = None  # the log left by the previous attempt
 
     def start(self) -> None:
         self.run.output_dir.mkdir(parents=True, exist_ok=True)
+        scaling = self.run.output_dir / LOG_NAME
+        self.previous_log = scaling.read_bytes() if self.resume and scaling.is_file() else None
         self.started = time.time()
         with open(self.run.log, "ab") as log:
             # A session of its own: a Ctrl-C in the terminal reaches the sweep only, which passes
@@ -369,11 +409,22 @@ class _Running:
         if budget is not None and self.num_sigterms == 0 and \
                 time.monotonic() >= self.next_budget_check:
             self.next_budget_check = time.monotonic() + POLL_S
-            if logged_compute(self.run.output_dir / LOG_NAME) >= budget:
+            if self._logged_compute() >= budget:
                 print(f"{PROGRAM}: {self.run.label} validated past the budget of {budget:g} "
                       "GPU-hours: stopping it (SIGTERM: it writes a checkpoint)", flush=True)
                 self._sigterm()
         return None
+
+    def _logged_compute(self) -> float:
+        """The largest compute the run itself has logged (0 while the previous attempt's log
+        is still in place)."""
+        path = self.run.output_dir / LOG_NAME
+        data = path.read_bytes() if path.is_file() else b""
+        if self.previous_log is not None:
+            if data == self.previous_log:
+                return 0.0
+            self.previous_log = None  # restored (and maybe appended to) by this attempt
+        return _max_compute(data.decode("utf-8", errors="replace"))
 
     def _sigterm(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

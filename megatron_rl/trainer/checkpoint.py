@@ -116,8 +116,12 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, *, layout: Para
     state = _sharded_state(model, optimizer if load_optimizer else None, groups, is_loading=True)
     if same_ranks:
         state["rng"] = _rng_object(groups, _rng_state())
+    # A TE model resumed from a checkpoint that lacks some of its `_extra_state` (one saved by
+    # a local-spec run): each such module keeps its own, as in load_model_weights.
+    stored = dist_checkpointing.serialization.load_sharded_metadata(directory)
+    kept = _drop_missing_extra_state(state["model"], stored, directory)
     loaded = dist_checkpointing.load(state, directory)
-    unwrap(model).load_state_dict(loaded["model"])
+    unwrap(model).load_state_dict(_with_kept_extra_state(unwrap(model), loaded["model"], kept))
     if load_optimizer:
         optimizer.load_state_dict(_with_own_param_groups(optimizer, loaded["optimizer"],
                                                          adam_step=loaded["trainer"]["step"]))
@@ -233,7 +237,8 @@ def load_model_weights(directory: str | os.PathLike, model) -> None:
         raise CheckpointMismatchError(f"{directory} is not a Megatron dist_checkpointing folder")
     module = unwrap(model)
     sharded = module.sharded_state_dict(metadata=dict(MODEL_SHARDED_METADATA))
-    stored = dist_checkpointing.load_tensors_metadata(directory)
+    # Tensors and objects (load_tensors_metadata has the tensors only).
+    stored = dist_checkpointing.serialization.load_sharded_metadata(directory)
     wanted = {entry.key: entry for entry in sharded.values()
               if isinstance(entry, (ShardedTensor, ShardedTensorFactory))}
     missing = sorted(set(wanted) - set(stored))
@@ -247,5 +252,46 @@ def load_model_weights(directory: str | os.PathLike, model) -> None:
     if mismatched:
         raise CheckpointMismatchError("checkpoint and model shapes differ: "
                                       + "; ".join(mismatched))
+    kept = _drop_missing_extra_state(sharded, stored, directory)
     loaded = dist_checkpointing.load({"model": sharded}, directory)
-    module.load_state_dict(loaded["model"])
+    module.load_state_dict(_with_kept_extra_state(module, loaded["model"], kept))
+
+
+# The suffix megatron-core gives the modules' `get_extra_state()` (transformer/utils.py
+# make_sharded_tensors_for_checkpoint: saved as ShardedObjects).
+_EXTRA_STATE = "_extra_state"
+
+
+def _drop_missing_extra_state(sharded: dict, stored: dict, directory: str) -> list[str]:
+    """Take out of `sharded` (a model's sharded state dict, changed in place) the `_extra_state`
+    objects the checkpoint lacks, and return their state-dict keys; any other object it lacks is
+    a CheckpointMismatchError. `stored`: the checkpoint's `load_sharded_metadata`.
+
+    A model with Transformer Engine layers has objects that a checkpoint written from the local
+    spec (megatron_rl/convert.py) cannot hold: TE's RMSNorm (pre_mlp_layernorm,
+    final_layernorm), its linear layers and its attention (core_attention, and the backend
+    module inside it) keep FP8 metadata as `_extra_state`, and Megatron's load planner refuses
+    a state dict with keys the checkpoint lacks ("Missing key in checkpoint state_dict"). That
+    state is what a module computes for itself (FP8 scaling history; TE starts it afresh), so a
+    missing one keeps the module's own; a weight or any other object never does."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    missing = {key: entry for key, entry in sharded.items()
+               if isinstance(entry, ShardedObject) and entry.unique_key not in stored}
+    other = sorted(entry.key for key, entry in missing.items()
+                   if not key.endswith(_EXTRA_STATE))
+    if other:
+        raise CheckpointMismatchError(f"{directory} lacks model objects: {', '.join(other)} "
+                                      "(was it written from another model?)")
+    for key in missing:
+        del sharded[key]
+    return sorted(missing)
+
+
+def _with_kept_extra_state(module, state: dict, kept: list[str]) -> dict:
+    """`state` with the module's own value for each `_extra_state` key the checkpoint lacked,
+    so that the strict load still checks every other key."""
+    if kept:
+        own = module.state_dict()
+        state.update({key: own[key] for key in kept})
+    return state

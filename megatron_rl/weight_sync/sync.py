@@ -68,7 +68,8 @@ class WeightSyncSettings:
     bucket_bytes: int = 512 * 2**20
     dtype: torch.dtype | None = None  # the generators' weight dtype; None: the trainer's
     master_address: str = "127.0.0.1"  # where each stage's sender listens (reachable by the
-    master_port: int | None = None  # generators); port None: a free port, + pp_rank per stage
+    master_port: int | None = None  # generators); None: each stage's sender picks a port
+    # free on its own host (`sender_port`); a given port: port + pp_rank for stage pp_rank
     backend: str | None = None  # None: nccl with CUDA, else gloo
     pause_mode: str | None = "in_place"  # None: do not pause (updates wait for running requests)
     timeout_s: float = 600.0
@@ -150,6 +151,27 @@ class SyncReport:
             ("paused_s", self.paused_s))}
 
 
+def sender_port(settings: WeightSyncSettings, groups: WeightSyncGroups, *, name: str,
+                store: dist.Store) -> int:
+    """The port this pipeline stage's sender listens on for its weight-update group `name`.
+
+    Stages may sit on different hosts, so a port found free on one host (rank 0's) says nothing
+    about another: each stage's sender picks its own, where it binds it (`listen_port` on its
+    own address, settings.master_address), and publishes it in the trainer world's `store`,
+    from which the stage's other ranks read it (every rank's transport describes the same
+    group). A port given in the settings is taken as it is: stage p uses master_port + p."""
+    if settings.master_port is not None:
+        return settings.master_port + groups.pp_rank
+    key = f"{name}_pp{groups.pp_rank}/master_port"
+    if groups.is_sender:
+        from megatron_rl.rollout.sglang_server import listen_port
+
+        port = listen_port(settings.master_address)
+        store.set(key, str(port))
+        return port
+    return int(store.get(key))
+
+
 class WeightSync:
     """See the module docstring. `model` is this rank's (DDP / Float16Module wrapped) chunk."""
 
@@ -201,19 +223,17 @@ class WeightSync:
             return DiskTransport(self.generators, directory=settings.disk_dir,
                                  config_dir=settings.hf_config_dir, stage=self.groups.pp_rank,
                                  timeout_s=settings.timeout_s)
-        from megatron_rl.rollout.sglang_server import listen_port
-
-        # [port, session id]: rank 0 picks both. The id makes the group names unique per
-        # WeightSync, so a group left on a generator by a crashed trainer never collides.
-        shared = torch.tensor([settings.master_port or 0, 0], device=collective_device())
+        # The session id: rank 0 picks it. It makes the group names unique per WeightSync, so a
+        # group left on a generator by a crashed trainer never collides.
+        shared = torch.tensor([0], device=collective_device())
         if dist.get_rank() == 0:
-            if settings.master_port is None:
-                shared[0] = listen_port(settings.master_address)
-            shared[1] = int.from_bytes(os.urandom(3), "little")
+            shared[0] = int.from_bytes(os.urandom(3), "little")
         dist.broadcast(shared, src=0)
-        port, session = int(shared[0]), int(shared[1])
+        session = int(shared[0])
         backend = settings.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         name = f"megatron_rl_weights_{session:06x}"
+        port = sender_port(settings, self.groups, name=name,
+                           store=dist.distributed_c10d._get_default_store())
         # Pipeline stages take turns per bucket and join (transport.py: otherwise two generators
         # can take two stages' requests in opposite orders and wait on each other for good). A
         # turn may wait for every other stage's, each bounded by timeout_s.
@@ -222,7 +242,7 @@ class WeightSync:
             if self.groups.is_sender and self.groups.pp_size > 1 else None
         return DistributedTransport(
             self.generators, master_address=settings.master_address,
-            master_port=port + self.groups.pp_rank, group_name=f"{name}_pp{self.groups.pp_rank}",
+            master_port=port, group_name=f"{name}_pp{self.groups.pp_rank}",
             backend=backend, timeout_s=settings.timeout_s, turns=turns,
             device=torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl" else "cpu")

@@ -86,13 +86,24 @@ class SimulatedNodes:
     node, all on 127.0.0.1), for node-level faults: a head node for the driver only (no CPUs),
     and nodes added and removed with a role (the custom resources of
     megatron_rl.cluster.placement). `remove` SIGKILLs every process of the node (raylet, its
-    agents, its workers): a node lost, as when a machine goes away."""
+    agents, its workers): a node lost, as when a machine goes away. `lose` also kills one of
+    Ray's per-node agents instead (`AGENTS`): the raylet fate-shares with them and ends, and
+    the node's workers with it (an operator's random fault, or an agent that crashed)."""
+
+    # How a node can be lost: every process SIGKILLed, or one Ray agent (process title).
+    AGENTS = {"dashboard agent": "ray::DashboardAgent",
+              "runtime-env agent": "ray::RuntimeEnvAgent"}
+    WAYS = ("all its processes", *AGENTS)
 
     def __init__(self, temp_dir: str):
         self._previous_env = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # every component on 127.0.0.1
+        from ray._common.utils import get_default_ray_temp_dir
         from ray._private import ray_constants
         from ray.cluster_utils import Cluster
+
+        # Cluster writes the head's address under Ray's default temp dir, whatever temp_dir is.
+        os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
 
         self._previous_flag = ray_constants.ENABLE_RAY_CLUSTER
         ray_constants.ENABLE_RAY_CLUSTER = False  # in case ray was imported before
@@ -105,11 +116,15 @@ class SimulatedNodes:
         return self.cluster.address
 
     def add(self, role: str):
-        """A node of 1 CPU for one trainer rank ("trainer") or one engine ("generator")."""
+        """A node of 1 CPU for one trainer rank ("trainer") or one engine ("generator"), or of
+        2 CPUs for one of each ("mixed")."""
         from megatron_rl.cluster.placement import GENERATOR_NODE_RESOURCE, TRAINER_NODE_RESOURCE
 
-        resource = {"trainer": TRAINER_NODE_RESOURCE, "generator": GENERATOR_NODE_RESOURCE}[role]
-        return self.cluster.add_node(num_cpus=1, resources={resource: 1}, **self._loopback)
+        resources = {"trainer": {TRAINER_NODE_RESOURCE: 1}, "generator": {
+            GENERATOR_NODE_RESOURCE: 1}, "mixed": {TRAINER_NODE_RESOURCE: 1,
+                                                  GENERATOR_NODE_RESOURCE: 1}}[role]
+        return self.cluster.add_node(num_cpus=len(resources), resources=resources,
+                                     **self._loopback)
 
     def node(self, node_id: str):
         return next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
@@ -120,6 +135,23 @@ class SimulatedNodes:
 
         at = time.time()
         self.cluster.remove_node(node, allow_graceful=False)
+        return at
+
+    def lose(self, node, how: str) -> float:
+        """Lose `node` one of the `WAYS`: "all its processes" SIGKILLed (`remove`), or one of
+        its Ray agents SIGKILLed. Returns when (time.time())."""
+        import time
+
+        from ray._private import ray_constants
+
+        if how not in self.AGENTS:
+            return self.remove(node)
+        raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0]
+                                .process.pid)
+        agent = next(p for p in raylet.children()
+                     if " ".join(p.cmdline()).startswith(self.AGENTS[how]))
+        at = time.time()
+        agent.kill()
         return at
 
     def shutdown(self) -> None:

@@ -361,19 +361,64 @@ def _random_engine_process(rng, generators, *, serving_path_only=False):
     return what, choices[what]
 
 
+def _engine_pids(model_dir):
+    """The pids of every SGLang process serving `model_dir` (servers and their children)."""
+    import psutil
+
+    pids = set()
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if "sglang" in cmdline and str(model_dir) in cmdline:
+            pids.add(process.pid)
+    return pids
+
+
+def _restarts_said(proc, name):
+    """How many times the run has said it is restarting engine `name`."""
+    return sum(f"generator {name!r} failed" in line and "restarting it (attempt" in line
+               for line in _output(proc).splitlines())
+
+
+def _kill_the_restarting_engine(proc, model_dir, name, before, said, timeout=600):
+    """A second fault on engine `name` while the driver restarts it: once the run says it is
+    restarting it (more than `said` times), SIGKILL a process of its new server (a pid not in
+    `before`). Returns when, or None when no new process was seen."""
+    _wait_for(lambda: _restarts_said(proc, name) > said, proc, f"the restart of {name}",
+              timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for pid in sorted(_engine_pids(model_dir) - before):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                return time.time()
+            except ProcessLookupError:
+                continue
+        time.sleep(0.1)
+    return None
+
+
 def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_resume(tmp_path):
     """Node-level faults on Ray's multi-node simulation (tests/e2e/_checks.py SimulatedNodes): a
-    head for the driver, a trainer node, and two generator nodes of one engine each;
-    rollout.min_generators=1. After step 1 the node of generator-0 is lost (every process of it
-    SIGKILLed): Ray declares it dead, the driver takes generator-0 out of the rotation (its
-    groups re-queued) and the run goes on with generator-1. A new generator node joins: Ray
-    places generator-0's bundle there and the driver brings a new engine to the current weights
-    and back into the rotation. Then a process of a random engine (its server, a child of it,
-    or its Ray worker, drawn from CHAOS_SEED) is SIGKILLed or SIGSTOPped (also drawn) at a random
-    moment, and the engine is restarted (a stopped one once two health checks went unanswered). After the next checkpoint the trainer's node is lost: the run stops within a bound, exit status 75, one message naming the node and the checkpoint
-    `--resume` loads. A new trainer node joins and `--resume` finishes the run. The ledger holds
-    every group exactly once, TensorBoard shows the engines in the rotation (2, then 1, then 2),
-    and no SGLang server or Ray process is left."""
+    head for the driver, a mixed node holding the trainer rank and one engine, and a generator
+    node of one engine; rollout.min_generators=1. Each node is lost one of three ways, drawn
+    from CHAOS_SEED (printed; MEGATRON_RL_CHAOS_SEED replays it): all its processes SIGKILLed,
+    or Ray's dashboard agent or runtime-env agent SIGKILLed (the raylet fate-shares with them).
+
+    After step 1 the generator node is lost at a random moment: Ray declares it dead, the driver
+    takes its engine out of the rotation (its groups re-queued) and the run goes on with the
+    other. A new generator node joins: Ray places the engine's bundle there and the driver
+    brings a new engine to the current weights and back into the rotation. Then a process of a
+    random engine (its server, a child of it, or its Ray worker) is SIGKILLed or SIGSTOPped, and
+    the engine is restarted (a stopped one once two health checks went unanswered); drawn too,
+    a second SIGKILL hits the same engine's new server while it restarts. After the next
+    checkpoint the mixed node (trainer rank and engine) is lost: the run stops within a bound,
+    exit status 75, one message naming the node and the checkpoint `--resume` loads. A new
+    mixed node joins and `--resume` starts; at a random moment of its start-up (up to 10 s after
+    its engines' first process) a generator node is lost through a Ray agent and another joins: the resumed run either finishes, or stops
+    with exit status 75 and one line naming that node (a start-up loss), and a second
+    `--resume` finishes. The ledger holds every group exactly once, TensorBoard shows the
+    engines in the rotation (2, then 1, then 2 again), and no SGLang server or Ray process is
+    left."""
     import tempfile
 
     from _checks import SimulatedNodes
@@ -384,18 +429,20 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
     out = tmp_path / "run"
     temp_dir = tempfile.mkdtemp(prefix="mrl_node_", dir="/tmp")  # short: Unix socket paths
     nodes = SimulatedNodes(temp_dir)
-    timings, proc, resumed = {}, None, None
+    rng = random.Random(CHAOS_SEED)
+    timings, drawn, runs = {}, [], []
     try:
-        trainer_node = nodes.add("trainer")
-        nodes.add("generator"), nodes.add("generator")
+        mixed = nodes.add("mixed")
+        nodes.add("generator")
         recipe = [f"model.hf_checkpoint={model}", f"output_dir={out}",
                   f"cluster.address={nodes.address}", "rollout.num_generators=2",
                   "rollout.min_generators=1", "rollout.health_check_interval_s=2",
                   "weight_sync.timeout_s=20", "checkpoint.interval_steps=2",
                   "checkpoint.keep_last=2"]
-        # More steps than it will reach (a step takes about a second here): the trainer
-        # node's loss ends it.
+        # More steps than it will reach (a step takes about a second here): the mixed node's
+        # loss ends it.
         proc = _start([*recipe, "train.num_steps=100000"])
+        runs.append(proc)
 
         def processes():
             return json.loads((out / "processes.json").read_text())
@@ -404,42 +451,57 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
             return [f for f in _jsonl(out / "faults.jsonl") if f["kind"] == "generator"]
 
         # Alone about a minute; the suite's five streams on two cores stretch the start (Ray's
-        # four raylets, two engines, the trainer rank) many times over.
+        # raylets, two engines, the trainer rank) many times over.
         _wait_for(lambda: _steps(out) and max(_steps(out)) >= 1, proc, "step 1", timeout=1200)
         where = processes()
         assert where["driver"]["node_id"] == nodes.cluster.head_node.node_id, where
-        lost_generator = where["generators"][0]
-        removed_at = nodes.remove(nodes.node(lost_generator["node_id"]))
-        # processes.json lists the serving engines: generator-0 left once the driver saw it.
-        _wait_for(lambda: len(processes()["generators"]) == 1, proc, "generator-0 taken out",
-                  timeout=300)
+        assert [r["node_id"] for r in where["trainer_ranks"]] == [mixed.node_id], where
+        on_mixed = [g for g in where["generators"] if g["node_id"] == mixed.node_id]
+        alone = [g for g in where["generators"] if g["node_id"] != mixed.node_id]
+        assert len(on_mixed) == len(alone) == 1, where  # the mixed node holds both
+        how = rng.choice(SimulatedNodes.WAYS)
+        drawn.append(f"generator node: {how}")
+        time.sleep(rng.uniform(0.0, 5.0))
+        removed_at = nodes.lose(nodes.node(alone[0]["node_id"]), how)
+        # processes.json lists the serving engines: the lost one left once the driver saw it.
+        _wait_for(lambda: len(processes()["generators"]) == 1, proc,
+                  f"{alone[0]['name']} taken out", timeout=300)
         timings["generator node: out of the rotation"] = time.time() - removed_at
         step_at_loss = max(_steps(out))
-        # The run goes on with generator-1 alone: two more steps before any node joins.
+        # The run goes on with the mixed node's engine alone: two steps before a node joins.
         _wait_for(lambda: max(_steps(out)) >= step_at_loss + 2, proc, "steps on one engine",
                   timeout=600)
         added_at = time.time()
-        nodes.add("generator")
-        _wait_for(generator_faults, proc, "generator-0 re-created on the new node", timeout=600)
+        generator_node = nodes.add("generator")
+        _wait_for(generator_faults, proc, f"{alone[0]['name']} re-created on the new node",
+                  timeout=600)
         fault = generator_faults()[0]
-        assert "generator 'generator-0'" in fault["what"] and "was lost" in fault["what"], fault
+        assert f"generator {alone[0]['name']!r}" in fault["what"] and "was lost" in \
+            fault["what"], fault
         timings["generator node: detection"] = fault["detected_at"] - removed_at
         timings["generator node: back after the new node joined"] = fault["recovered_at"] \
             - added_at
         requeued = fault["requeued_groups"]
         assert len(processes()["generators"]) == 2
-        # A process fault at a random moment, drawn from the seed (printed: rerun it with
-        # MEGATRON_RL_CHAOS_SEED): an engine's server, one of its children, or its Ray worker.
-        rng = random.Random(CHAOS_SEED)
-        fault = rng.choice([signal.SIGKILL, signal.SIGSTOP])  # died, or hung
+        # A process fault at a random moment: an engine's server, one of its children, or its
+        # Ray worker; and maybe a second one on the same engine while the driver restarts it.
+        signal_ = rng.choice([signal.SIGKILL, signal.SIGSTOP])  # died, or hung
         what, pid = _random_engine_process(rng, processes()["generators"],
-                                           serving_path_only=fault == signal.SIGSTOP)
+                                           serving_path_only=signal_ == signal.SIGSTOP)
+        twice = rng.random() < 0.5
+        drawn.append(f"{signal_.name} {what}" + (", then its new server while it restarts"
+                                                  if twice else ""))
         time.sleep(rng.uniform(0.0, 5.0))
-        os.kill(pid, fault)
+        before, name = _engine_pids(model), what.split("'")[0]
+        said = _restarts_said(proc, name)
+        os.kill(pid, signal_)
         killed_at = time.time()
+        if twice:
+            second_at = _kill_the_restarting_engine(proc, model, name, before, said)
+            drawn[-1] += "" if second_at else " (back before its new server was seen)"
         _wait_for(lambda: len(generator_faults()) >= 2, proc,
-                  f"recovery from {fault.name} of {what}")
-        timings[f"{fault.name} {what}: back after"] = generator_faults()[1]["recovered_at"] \
+                  f"recovery from {signal_.name} of {what}")
+        timings[f"{signal_.name} {what}: back after"] = generator_faults()[1]["recovered_at"] \
             - killed_at
         back_step = max(_steps(out))
 
@@ -447,29 +509,57 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
             done = [int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*")]
             return max(done, default=0) > back_step
 
-        _wait_for(checkpoint_after_return, proc, "a checkpoint with generator-0 back")
-        trainer_removed_at = nodes.remove(trainer_node)
+        _wait_for(checkpoint_after_return, proc, "a checkpoint with the engine back")
+        how = rng.choice(SimulatedNodes.WAYS)
+        drawn.append(f"mixed node: {how}")
+        mixed_lost_at = nodes.lose(mixed, how)
         rc, output = _finish(proc, timeout=300)
-        timings["trainer node: stopped after"] = time.time() - trainer_removed_at
+        timings["mixed node (trainer rank and engine): stopped after"] = time.time() \
+            - mixed_lost_at
         assert rc == 75, output[-6000:]
         message = [line for line in output.splitlines() if "megatron-rl train: stopped" in line]
         assert len(message) == 1, output[-6000:]
-        assert f"lost node 127.0.0.1 (Ray node id {trainer_node.node_id[:12]}) with trainer " \
+        assert f"lost node 127.0.0.1 (Ray node id {mixed.node_id[:12]}) with trainer " \
                "rank 0" in message[0], message[0]
+        assert "Traceback" not in output, output[-6000:]
         resume_from = re.search(r"--resume` continues from (\S+step_(\d+))", message[0])
         assert resume_from and Path(resume_from.group(1)).is_dir(), message[0]
-        assert timings["trainer node: stopped after"] < 180, timings
+        assert timings["mixed node (trainer rank and engine): stopped after"] < 180, timings
         assert not _no_orphans(model, proc.pid, grace_s=60)
 
-        nodes.add("trainer")
+        # The resume loses a generator node at a random moment of its start-up (through a Ray
+        # agent, as the faults that ended runs did), and a node with room joins at once.
+        nodes.add("mixed")
         last_step = int(resume_from.group(2)) + 2
         resumed = _start([*recipe, f"train.num_steps={last_step}", "--resume"])
+        runs.append(resumed)
+        how = rng.choice(list(SimulatedNodes.AGENTS))
+        moment = rng.uniform(0.0, 10.0)
+        drawn.append(f"resume's start-up, {moment:.1f} s after its engines' first process: a "
+                     f"generator node's {how}")
+        # Once its engines' actors were placed (a server process is up): inside the start-up.
+        _wait_for(lambda: _engine_pids(model), resumed, "the resumed run's engines starting")
+        time.sleep(moment)
+        start_lost_at = nodes.lose(generator_node, how)
+        nodes.add("generator")
         rc, output = _finish(resumed)
+        if rc == 75:  # the start needed that node: one line naming it, then --resume again
+            timings["start-up loss: stopped after"] = time.time() - start_lost_at
+            message = [line for line in output.splitlines()
+                       if "megatron-rl train: stopped" in line]
+            assert len(message) == 1, output[-6000:]
+            assert f"(Ray node id {generator_node.node_id[:12]})" in message[0], message[0]
+            assert "Traceback" not in output, output[-6000:]
+            assert timings["start-up loss: stopped after"] < 180, timings
+            assert not _no_orphans(model, resumed.pid, grace_s=60)
+            resumed = _start([*recipe, f"train.num_steps={last_step}", "--resume"])
+            runs.append(resumed)
+            rc, output = _finish(resumed)
         assert rc == 0, output[-6000:]
         assert f"resumed from {resume_from.group(1)}" in output, output[-4000:]
     finally:
-        for run in (proc, resumed):
-            if run is not None and run.poll() is None:  # a failed check: end the run first
+        for run in runs:
+            if run.poll() is None:  # a failed check: end the run first
                 run.kill()
                 run.wait()
         nodes.shutdown()
@@ -479,8 +569,8 @@ def test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_r
     assert _steps(out) == list(range(1, last_step + 1))
     assert check_ledger(records) == {"lost": [], "duplicated": []}
     engines = scalars(out / "tensorboard")["rollout/engines_in_rotation"]
-    assert engines[1] == 2.0 and min(engines.values()) == 1.0 and engines[last_step] == 2.0, \
-        engines
-    print(f"\nchaos seed {CHAOS_SEED}: " + "; ".join(f"{what} {s:.1f} s"
-                                                    for what, s in timings.items())
+    one = min(s for s, n in engines.items() if n == 1.0)
+    assert engines[1] == 2.0 and any(n == 2.0 for s, n in engines.items() if s > one), engines
+    print(f"\nchaos seed {CHAOS_SEED}: drawn: " + "; ".join(drawn) + "; "
+          + "; ".join(f"{what} {s:.1f} s" for what, s in timings.items())
           + f"; {requeued} group(s) of the lost node re-queued")

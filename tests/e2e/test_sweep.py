@@ -146,9 +146,15 @@ def test_sweep_stopped_and_resumed_reports_the_fits_of_megatron_rl_fit(tmp_path)
         else:
             assert ours["first_half"] is None
             assert "too few points" in ours["first_half_problem"]
-    assert {p["variant"] for p in report["ranking"]} == {"cispo", "dapo"}
-    assert report["ranking"][0]["rank"] == 1
-    assert report["not_ranked"] == {"broken": "no run has a validation curve"}
+    # Five steps from a random policy may not learn: a variant is ranked, or not ranked for
+    # want of a learning signal (its fit then has no parameters), never both.
+    ranked = {p["variant"] for p in report["ranking"]}
+    unranked = {name: why for name, why in report["not_ranked"].items() if name != "broken"}
+    assert ranked | set(unranked) == {"cispo", "dapo"} and not ranked & set(unranked), report
+    assert all(why.startswith("no learning signal") for why in unranked.values()), unranked
+    assert all(variants[name]["pooled"]["a"] is None for name in unranked)
+    assert not ranked or report["ranking"][0]["rank"] == 1
+    assert report["not_ranked"]["broken"] == "no run has a validation curve"
     assert report["failed"] == [{"run": "broken/seed1", "exit_code": 2,
                                  "log": str(broken / "train.log")}]
     for name in ("curves.png", "extrapolation.png"):

@@ -1,8 +1,9 @@
 """SIGTERM is always honoured (issue 31 item 4), on a real local Ray cluster: a driver stuck in
 the waits a stalled run is stuck in (tests/integration/_stop_driver.py) abandons the wait for
-generation and an engine restart at the first SIGTERM, its trainer call once the grace period is over, and the second
-SIGTERM ends it at once from inside a plain ray.get: exit 128 + 15, one line, no traceback, and no
-process of the run left (the local Ray cluster's processes, the actor, a child "reward worker")."""
+generation at the first SIGTERM (an engine restart never blocks it: issue 37 item 5), its trainer
+call once the grace period is over, and the second SIGTERM ends it at once from inside a plain
+ray.get: exit 128 + 15, one line, no traceback, and no process of the run left (the local Ray
+cluster's processes, the actor, a child "reward worker")."""
 from __future__ import annotations
 
 import json
@@ -63,7 +64,7 @@ def test_first_sigterm_abandons_the_waits_and_the_second_kills_the_run_at_once(t
         first = time.time()
         driver.send_signal(signal.SIGTERM)
         generation = _wait_for(tmp_path, "generation abandoned", driver, timeout_s=30)
-        restart = _wait_for(tmp_path, "restart abandoned", driver, timeout_s=30)
+        restart = _wait_for(tmp_path, "restart pending", driver, timeout_s=30)
         step = _wait_for(tmp_path, "step abandoned", driver, timeout_s=60)
         blocked = _wait_for(tmp_path, "blocked", driver, timeout_s=30)
         time.sleep(2.0)  # inside the plain ray.get
@@ -85,9 +86,8 @@ def test_first_sigterm_abandons_the_waits_and_the_second_kills_the_run_at_once(t
     assert generation["signal"] == "SIGTERM" and not generation["no_checkpoint"], generation
     assert "abandoned for the SIGTERM" in generation["message"], generation
     assert generation["at"] - first < 15.0, generation["at"] - first
-    # An engine restart (its actor's restart call hangs) is abandoned at once too.
-    assert "restarting generator 'generator-0': abandoned for the SIGTERM" in \
-        restart["message"], restart
+    # An engine restart (its actor's restart call hangs) does not hold the driver: polled.
+    assert restart["polled"] == "{}", restart
     assert restart["at"] - generation["at"] < 15.0, restart["at"] - generation["at"]
     assert step["no_checkpoint"] and "TrainerWorker.train_step" in step["message"], step
     assert GRACE_S <= step["at"] - first < GRACE_S + 20.0, step["at"] - first

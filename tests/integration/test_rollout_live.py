@@ -183,7 +183,7 @@ def test_a_thousand_requests_in_flight_on_one_generator_and_no_false_death(llama
     params = SamplingParams(max_new_tokens=1, purpose="eval", seed=3)
 
     async def run():
-        async with AsyncSGLangClient(llama_generator.url, max_connections=num_requests,
+        async with AsyncSGLangClient(llama_generator.url,
                                      api_key=llama_generator.server.settings.api_key) as client:
             manager = RolloutManager(
                 clients=[client], prompt_token_ids=[[5, 6]], records=[record],

@@ -93,8 +93,10 @@ class Trainers:
     def connect_generators(self, endpoints, hf_config_dir):
         self.calls.append(("connect", sorted(e.name for e in endpoints)))
 
-    def sync_new_generators(self, endpoints, hf_config_dir, version):
+    def sync_new_generators(self, endpoints, hf_config_dir, version, connect=None):
         self.calls.append(("sync_new", [e.name for e in endpoints], version))
+        if connect is not None:  # the main sync rebuilt over the new rotation, in the same call
+            self.calls.append(("connect", sorted(e.name for e in connect)))
 
 
 class Client:

@@ -80,6 +80,10 @@ def test_dry_run_on_cpu_checks_every_stage_and_runs_the_trainer(tmp_path):
         parsed = sglang[name]["parsed"]  # by SGLang's own argument parser
         assert (parsed["device"], parsed["dtype"], parsed["enable_memory_saver"]) == (
             "cuda", "bfloat16", saver)
+        # Issue 39.2: the chunked-attention model on a backend that honours the chunk (fa3);
+        # 39.3: the colocated engine keeps its q/k-norm weight across a release.
+        assert parsed["attention_backend"] == "fa3"
+        assert parsed["enable_weights_cpu_backup"] == saver
     syncs = sglang["syncs"]
     assert (syncs["distributed"]["transport"], syncs["distributed"]["backend"]) == (
         "distributed", "gloo")
@@ -142,3 +146,17 @@ def test_a_stage_over_its_budget_fails(tmp_path, monkeypatch):
                               tmp_path / "out.jsonl")
     assert time.monotonic() - started < 4
     assert record["status"] == "failed" and record["error"].startswith("StageTimeout")
+
+
+def test_the_per_position_check_tells_a_chunk_ignoring_engine(tmp_path):
+    """Issue 39.2's GPU check: log-probs that agree within the chunk and not past it (an engine
+    attending to the whole prefix) fail past the chunk only."""
+    import torch
+
+    reference = [torch.zeros(9), torch.zeros(5)]
+    ignoring = [torch.cat([torch.zeros(3), torch.ones(6)]), torch.cat([torch.zeros(3),
+                                                                      torch.ones(2)])]
+    split = gpu_smoke.by_position(ignoring, reference, chunk=4)  # positions 1-3 in the chunk
+    assert split["within_chunk"] == {"mean_abs": 0.0, "max_abs": 0.0, "num_tokens": 6}
+    assert split["past_chunk"] == {"mean_abs": 1.0, "max_abs": 1.0, "num_tokens": 8}
+

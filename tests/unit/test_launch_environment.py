@@ -5,6 +5,7 @@ passes to ray.init), a trainer rank's torchrun-style environment (rank_environme
 TrainerWorker.setup), and an SGLang server process's environment after the module body of
 megatron_rl.rollout.sglang_launch ran (a real interpreter, stopped before SGLang starts)."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -145,3 +146,79 @@ def test_trainer_only_settings():
                                cuda_ipc=False)["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
     # Engines get the shared variables only: SGLang sets its own CUDA_DEVICE_MAX_CONNECTIONS.
     assert generator_environment({}) == shared_environment({}) == SHARED_DEFAULTS
+
+
+# A stand-in for NVML (the nvidia-ml-py module SGLang's image carries) reporting one GPU of the
+# name and fabric state in its environment: what host_fabric reads on a GB200 tray or an H100 host.
+_FAKE_NVML = '''
+import os
+NVML_GPU_FABRIC_STATE_COMPLETED = 3
+class _Info:
+    @property
+    def state(self):
+        return int(os.environ["FAKE_NVML_FABRIC_STATE"])
+def nvmlInit(): pass
+def nvmlShutdown(): pass
+def nvmlDeviceGetCount(): return 1
+def nvmlDeviceGetHandleByIndex(index): return index
+def nvmlDeviceGetName(handle): return os.environ["FAKE_NVML_GPU"]
+def nvmlDeviceGetGpuFabricInfo(handle): return _Info()
+'''
+
+FABRICS = {  # (GPU name, NVML fabric state, NCCL_CUMEM_ENABLE everywhere)
+    "gb200-tray": ("NVIDIA GB200", "0", "1"),
+    "fabric-registered": ("NVIDIA Graphics Device", "3", "1"),
+    "h100-host": ("NVIDIA H100 80GB HBM3", "0", "0"),
+}
+
+
+@pytest.fixture(scope="module")
+def fake_nvml(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("fake_nvml")
+    (folder / "pynvml.py").write_text(_FAKE_NVML)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fabric_engines(fake_nvml) -> dict[str, dict[str, str]]:
+    """Each host's SGLang server environment, one interpreter for all (as _engine_envs)."""
+    script = (
+        "import json, os, runpy, sys\n"
+        "cases, names, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), {}\n"
+        "for case, (gpu, state, _) in cases.items():\n"
+        "    for name in names:\n"
+        "        os.environ.pop(name, None)\n"
+        "    os.environ.update(FAKE_NVML_GPU=gpu, FAKE_NVML_FABRIC_STATE=state)\n"
+        "    runpy.run_module('megatron_rl.rollout.sglang_launch', run_name='sglang_launch')\n"
+        "    out[case] = {name: os.environ.get(name) for name in names}\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if k not in NAMES}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake_nvml), *filter(None, [env.get("PYTHONPATH")])])
+    result = subprocess.run([sys.executable, "-c", script, json.dumps(FABRICS),
+                             json.dumps(NAMES)], cwd=ROOT, check=True, capture_output=True,
+                            text=True, timeout=300, env=env)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("host", FABRICS)
+def test_nccl_cumem_follows_the_fabric_on_every_side(monkeypatch, fake_nvml, fabric_engines,
+                                                     host):
+    """Issue 39.4: on an NVL72 host cuMem is on (multi-node NVLink needs it) for the Ray job's
+    workers, a trainer rank and an SGLang server started on the host alike; NVLS stays off."""
+    gpu, state, cumem = FABRICS[host]
+    for name in NAMES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FAKE_NVML_GPU", gpu)
+    monkeypatch.setenv("FAKE_NVML_FABRIC_STATE", state)
+    monkeypatch.syspath_prepend(str(fake_nvml))
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    expected = {"NCCL_CUMEM_ENABLE": cumem, "NCCL_NVLS_ENABLE": "0"}
+    job = _ray_job_env_vars(monkeypatch)
+    assert job == expected
+    trainer = _trainer_env(job, {})
+    assert {name: trainer[name] for name in NAMES} == expected
+    assert {name: trainer_environment(cuda_ipc=False)[name] for name in NAMES} == expected
+    # A server started outside Ray resolves its own host's fabric.
+    assert fabric_engines[host] == expected
+    # A value the environment sets still wins.
+    assert shared_environment({"NCCL_CUMEM_ENABLE": "0"})["NCCL_CUMEM_ENABLE"] == "0"

@@ -138,8 +138,7 @@ def test_big_validation_slow_engine_is_never_declared_dead_and_a_hung_one_is_tak
     hung = StandInEngine(generate_s=None, stepping=False)
 
     async def scenario(slow_url, hung_url):
-        clients = [AsyncSGLangClient(url, max_connections=num_requests)
-                   for url in (slow_url, hung_url)]
+        clients = [AsyncSGLangClient(url) for url in (slow_url, hung_url)]
         manager = _manager(clients)
         detected: dict[int, float] = {}
         started = time.monotonic()

@@ -501,3 +501,138 @@ def test_a_port_a_server_binds_later_is_below_the_ephemeral_range():
     for port in ports:  # free when picked
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_the_engine_not_the_client_holds_the_queue():
+    """300 requests in flight at one engine (three times the 100 connections the client once
+    capped each engine at) all reach it at once, and a continuation (SGLang priority 1,
+    rollout.continuations_first) sent after them reaches it while they are all still open, not
+    queued behind them in the client. The server is an in-process aiohttp stand-in for SGLang's
+    HTTP API (POST /generate): it records the order in which requests arrive and holds each open
+    until released (scheduling only; priority ordering inside SGLang is its own)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from megatron_rl.rollout.async_client import AsyncSGLangClient
+
+    num_fresh = 300
+
+    async def scenario():
+        arrivals = []  # each request's priority, in arrival order
+        held = {"now": 0}  # requests the server holds open
+        release = asyncio.Event()
+        arrived = {num_fresh: asyncio.Event(), num_fresh + 1: asyncio.Event()}
+
+        async def generate(request):
+            arrivals.append((await request.json()).get("priority"))
+            held["now"] += 1
+            if len(arrivals) in arrived:
+                arrived[len(arrivals)].set()
+            await release.wait()
+            held["now"] -= 1
+            return web.json_response({"output_ids": [7], "meta_info": {
+                "finish_reason": {"type": "length", "length": 1},
+                "output_token_logprobs": [[-0.5, 7, None]],
+                "weight_versions": [{"version": "0", "start": 0, "end": 1}]}})
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = listen_port()
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+        params = SamplingParams(max_new_tokens=1, purpose="eval")
+        try:
+            async with AsyncSGLangClient(f"http://127.0.0.1:{port}") as client:
+                fresh = [asyncio.ensure_future(client.generate_one([1], 1, params))
+                         for _ in range(num_fresh)]
+                try:
+                    await asyncio.wait_for(arrived[num_fresh].wait(), timeout=30)
+                except TimeoutError:
+                    pytest.fail(f"only {len(arrivals)} of {num_fresh} requests reached the "
+                                "engine: the others wait in the client")
+                at_once = held["now"]
+                continuation = asyncio.ensure_future(
+                    client.generate_one([1, 9], 1, params, priority=1))
+                await asyncio.wait_for(arrived[num_fresh + 1].wait(), timeout=30)
+                with_continuation = held["now"]
+                release.set()
+                results = await asyncio.gather(*fresh, continuation)
+                return arrivals, at_once, with_continuation, results
+        finally:
+            release.set()  # a failed check leaves no request held through the cleanup
+            await runner.cleanup()
+
+    arrivals, at_once, with_continuation, results = asyncio.run(scenario())
+    assert at_once == num_fresh  # the engine holds every fresh request at once
+    # The continuation reached the engine while all of them were still there.
+    assert with_continuation == num_fresh + 1
+    assert arrivals == [None] * num_fresh + [1] and len(results) == num_fresh + 1
+
+
+def test_the_open_file_limit_covers_the_requests_in_flight_or_the_error_names_it():
+    """reserve_open_files raises the soft RLIMIT_NOFILE to the requests in flight plus
+    RESERVED_OPEN_FILES (an unprivileged process may, up to the hard limit), and a hard limit
+    too low is an error naming the fix; a request that meets the limit anyway is a
+    GeneratorError naming it, not a dead engine (which would be taken out of the rotation).
+    In a child process: its limits are lowered there."""
+    script = """
+import asyncio, os, resource
+import aiohttp  # imported before the limit leaves no file to read it from
+from megatron_rl.rollout.async_client import (RESERVED_OPEN_FILES, AsyncSGLangClient,
+                                              reserve_open_files)
+from megatron_rl.rollout import GeneratorDeadError, GeneratorError, SamplingParams
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (RESERVED_OPEN_FILES + 10, 3000))
+assert reserve_open_files(5) == RESERVED_OPEN_FILES + 10  # enough already: unchanged
+assert reserve_open_files(1500) == RESERVED_OPEN_FILES + 1500
+assert resource.getrlimit(resource.RLIMIT_NOFILE) == (RESERVED_OPEN_FILES + 1500, 3000)
+try:
+    reserve_open_files(5000)
+except RuntimeError as error:
+    print("LIMIT", error)
+
+async def no_file_left():
+    client = AsyncSGLangClient("http://127.0.0.1:9", connection_retries=3, backoff_s=0.01)
+    open_files = len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, 3000))  # no socket left
+    try:
+        await client.generate_one([1], 1, SamplingParams(max_new_tokens=1))
+    except GeneratorDeadError as error:
+        print("DEAD", error)
+    except GeneratorError as error:
+        print("EMFILE", client.reconnects, error)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files + 100, 3000))
+        await client.close()
+
+asyncio.run(no_file_left())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert "up to 5000 generation requests may be in flight" in lines["LIMIT"]
+    assert "at most 3000 files (hard RLIMIT_NOFILE)" in lines["LIMIT"]
+    assert "raise it to at least" in lines["LIMIT"] and "ulimit -Hn" in lines["LIMIT"]
+    assert "DEAD" not in lines
+    assert lines["EMFILE"].startswith("0 no socket for a request to http://127.0.0.1:9")
+    assert "RLIMIT_NOFILE" in lines["EMFILE"]
+
+
+def test_a_run_reserves_a_socket_for_every_request_it_can_have_in_flight(monkeypatch):
+    """ScaleRL's defaults: (k + 1) x 48 groups x 16 training requests (k = 8) and a
+    validation's 1000 x 16 requests may all be in flight at once, one socket each."""
+    import types
+
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout import async_client
+    from megatron_rl.run_setup import RunSetup
+
+    reserved = []
+    monkeypatch.setattr(async_client, "reserve_open_files", reserved.append)
+    run = RunSetup(load_config(None, []))
+    run.data = types.SimpleNamespace(heldout_records=[None] * 1000)
+    run._reserve_open_files()
+    assert reserved == [9 * 48 * 16 + 1000 * 16]

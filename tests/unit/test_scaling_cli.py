@@ -1,4 +1,5 @@
 """`megatron-rl fit` end to end on temporary run directories: tables, plots, clear errors."""
+import json
 import re
 import subprocess
 import sys
@@ -167,3 +168,34 @@ def test_tool_script_is_a_thin_wrapper(tmp_path):
          "--num-bootstrap", "0"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "toolrun" in result.stdout and "Sigmoid fits" in result.stdout
+
+
+def test_fit_says_no_learning_signal_instead_of_numbers(tmp_path, capsys):
+    """Issue 37 item 12: an all-zero curve and a flat one fit at a bound / one grid step above
+    R0; the table and the JSON say "no learning signal" with the reason, not parameters."""
+    compute = np.r_[0.0, np.geomspace(0.05, 20.0, 30)]
+    rising = [float(curve(c, 0.6, 1.5, 1.0, 0.2)) for c in compute]
+    paths = []
+    for name, rates in (("zero", [0.0] * 31), ("flat", [0.3] * 31), ("rising", rising)):
+        paths.append(tmp_path / f"{name}.csv")
+        paths[-1].write_text("compute_gpu_hours,pass_rate\n"
+                             + "".join(f"{c},{r}\n" for c, r in zip(compute, rates)))
+    out_json = tmp_path / "fits.json"
+    assert fit_main([*map(str, paths), "--num-bootstrap", "20", "--no-plots",
+                     "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    rows = {name: next(line for line in printed.splitlines() if f"│ {name}" in line)
+            for name in ("zero", "flat", "rising")}
+    for name in ("zero", "flat"):
+        assert re.search(r"│ no learning signal +│ - +│ - +│ 30 ", rows[name]), rows[name]
+    assert "no learning signal" not in rows["rising"] and "0.600 [" in rows["rising"]
+    assert "zero:all: no learning signal: A 0.005 within one grid step (0.005) of R0 0.000; " \
+        "C_mid" in printed and "at its upper bound" in printed
+    assert "flat:all: no learning signal: A 0.305 within one grid step (0.005) of R0 0.300" \
+        in printed
+    zero, flat, rising = (entry["fit"] for entry in json.loads(out_json.read_text()))
+    for fit in (zero, flat):
+        assert fit["no_learning_signal"].startswith("A 0.")
+        assert [fit[k] for k in ("a", "a_ci", "b", "b_ci", "c_mid", "c_mid_ci")] == [None] * 6
+        assert fit["num_points"] == 30
+    assert rising["no_learning_signal"] is None and rising["a"] == pytest.approx(0.6, abs=0.005)

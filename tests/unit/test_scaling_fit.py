@@ -275,3 +275,43 @@ def test_a_run_that_does_not_learn_reports_its_replicate_percentiles():
     assert fit.a == pytest.approx(0.495) and fit.b == pytest.approx(50.0)
     assert np.all(np.isfinite(fit.bootstrap_samples))
     assert_percentile_intervals(fit)
+
+
+@pytest.mark.parametrize("rate, r0, why", [
+    (np.zeros(30), 0.0, "A 0.005 within one grid step (0.005) of R0 0.000; C_mid"),
+    (np.full(30, 0.3), 0.3, "A 0.305 within one grid step (0.005) of R0 0.300"),
+    (0.3 - np.linspace(0.0, 0.1, 30), 0.3, "A 0.305 within one grid step"),  # falling
+])
+def test_a_curve_without_learning_is_flagged_not_reported(rate, r0, why):
+    # Issue 37 item 12: the least-squares optimum of a flat curve is the lowest grid A with B or
+    # C_mid at a bound (an all-zero curve: A 0.005, C_mid far beyond the data), and its bootstrap
+    # interval need not contain the estimate. The fit says why it is not a finding.
+    compute = np.geomspace(0.05, 20.0, 30)
+    fit = fit_sigmoid(compute, rate, r0=r0, config=SigmoidFitConfig(num_bootstrap=20))
+    assert fit.no_learning_signal is not None and fit.no_learning_signal.startswith(why)
+
+
+def test_a_rising_curve_has_a_learning_signal():
+    compute = np.geomspace(100.0, 16000.0, 40)
+    for a, b, c_mid, r0 in ((0.61, 1.5, 2000.0, 0.2), (0.215, 1.5, 2000.0, 0.2),
+                            (0.61, 1.5, 2000.0, 0.0)):  # 0.215: three grid steps above R0
+        fit = fit_sigmoid(compute, reference_curve(compute, a, b, c_mid, r0), r0=r0,
+                          config=NO_CI)
+        assert fit.no_learning_signal is None, (a, fit.no_learning_signal)
+    early = np.linspace(100.0, 1800.0, 18)  # before C_mid: C_mid lies beyond the data, inside
+    fit = fit_sigmoid(early, reference_curve(early, 0.61, 1.5, 2000.0, 0.2), r0=0.2, config=NO_CI)
+    assert fit.no_learning_signal is None
+
+
+def test_a_mean_a_at_or_below_an_r0_compares_no_b():
+    # Issue 37 item 10: A within the tolerance (0.310 vs 0.285) and their mean (~0.298) below the
+    # R0 0.30 of the first run: no curve of it rises to that A, so B is not compared (a refit
+    # with A fixed there raised ValueError) and the two are equal, saying why.
+    compute = np.geomspace(100.0, 20000.0, 40)
+    high = make_series(compute, 0.31, 1.5, 2000.0, 0.30, run="high")
+    climb = make_series(compute, 0.285, 1.5, 2000.0, 0.05, run="climb")
+    result = compare_recipes(high, climb, config=NO_CI, tolerance=0.05)
+    assert result.fit_a.a == pytest.approx(0.31) and result.fit_b.a == pytest.approx(0.285)
+    assert result.a_equal and result.better is None
+    assert result.refit_a is None and result.refit_b is None
+    assert "mean A 0.2975 is not above the R0 0.300 of high:all" in result.verdict

@@ -1,10 +1,13 @@
 """`megatron-rl sweep` without training: the sweep file and its one-line errors, the plan (every
 run's RunConfig up front), where a run stands from its own artefacts, the ranking rules on
-hand-computed values, the report checked against `megatron-rl fit` on the same logs, and the
-scheduling of `parallel` runs and of a stop with stand-in runs. The real runs are in
-tests/e2e/test_sweep.py."""
+hand-computed values, the report checked against `megatron-rl fit` on the same logs, the
+false-winner rate of the ranking on simulated variants that differ only by chance, and the
+scheduling of `parallel` runs, of a stop and of a compute budget with stand-in runs. The real
+runs are in tests/e2e/test_sweep.py."""
+import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,8 +27,10 @@ from megatron_rl.scaling.series import ScalingSeries
 from megatron_rl.scaling.sigmoid import SigmoidFitConfig, fit_sigmoid
 from megatron_rl.scaling.sweep import (RunState, SweepError, load_sweep, logged_compute,
                                        plan_runs, run_state)
+from megatron_rl.scaling.report import fit_series
 from megatron_rl.scaling.sweep_report import (RunResult, VariantResult, a_tolerance,
-                                              rank_variants, report_sweep, variant_result)
+                                              pooled_curve, rank_variants, report_sweep,
+                                              variant_result)
 
 pytestmark = pytest.mark.unit
 
@@ -127,6 +132,12 @@ def test_the_command_exits_2_with_one_line_and_refuses_an_existing_sweep_without
     assert "\n" not in err
 
 
+def _scaling_lines(*points: tuple[int, float]) -> str:
+    """scaling.jsonl text of overall-task validations at (step, compute)."""
+    return "".join(json.dumps({"step": s, "compute_gpu_hours": c, "pass_rate": 0.1,
+                               "task": "all"}) + "\n" for s, c in points)
+
+
 def _commit(root: Path, step: int, scaling: str = "") -> None:
     """A committed run checkpoint of `step` through the run's own commit (manifest + rename)."""
     staging = run_checkpoint.partial_path(root, step)
@@ -149,8 +160,35 @@ def test_where_a_run_stands_comes_from_its_own_checkpoints(tmp_path):
     run_checkpoint.partial_path(root, 3).mkdir()  # a save that did not finish
     assert run_state(run, spec) == (RunState.RESUME, 2)
     shutil.rmtree(run_checkpoint.partial_path(root, 3))
-    _commit(root, 3)
+    _commit(root, 3, _scaling_lines((0, 0.0), (2, 0.001), (3, 0.0015)))
     assert run_state(run, spec) == (RunState.FINISHED, 3)
+
+
+def test_a_run_is_finished_only_once_its_last_step_is_validated(tmp_path):
+    """Issue 37 item 9. A stop during the validation of the last step still writes the
+    checkpoint at train.num_steps; the run is finished only once that validation is logged,
+    which its own --resume does (`megatron-rl train` validates the missing step and exits)."""
+    spec = load_sweep(_sweep_file(tmp_path, _good(tmp_path)))
+    run = plan_runs(spec)[0]  # train.num_steps = 3, eval.interval_steps = 2: step 3 validates
+    root = Path(run.config.checkpoint_dir)
+    before = _scaling_lines((0, 0.0), (2, 0.001))
+    _commit(root, 3, before)  # stopped during the validation of step 3
+    (run.output_dir / "scaling.jsonl").write_text(before)
+    assert run_state(run, spec) == (RunState.RESUME, 3)
+    # The resumed run put back the checkpoint's log and appended its validation of step 3.
+    ScalingLog(run.output_dir).append(3, 0.0015, {"all": 0.2, "arithmetic": 0.2})
+    assert run_state(run, spec) == (RunState.FINISHED, 3)
+    # A checkpoint written after the validation holds it in its own copy of the log.
+    other = plan_runs(spec)[1]
+    _commit(Path(other.config.checkpoint_dir), 3, before + _scaling_lines((3, 0.0015)))
+    assert run_state(other, spec) == (RunState.FINISHED, 3)
+    # A recipe that does not validate its last step is finished by the checkpoint alone.
+    spec = load_sweep(_sweep_file(tmp_path, _good(
+        tmp_path, output_dir=str(tmp_path / "quiet"),
+        overrides="[data.split_seed=7, eval.interval_steps=0, eval.at_step_zero=false]")))
+    quiet = plan_runs(spec)[0]
+    _commit(Path(quiet.config.checkpoint_dir), 3)
+    assert run_state(quiet, spec) == (RunState.FINISHED, 3)
 
 
 def test_a_compute_budget_is_reached_by_the_checkpoints_scaling_log(tmp_path):
@@ -325,6 +363,8 @@ if mode == "finish":
         time.sleep(0.02)
     staging = checkpoint.partial_path(root, num_steps)
     staging.mkdir(parents=True)
+    (staging / "scaling.jsonl").write_text(json.dumps({"step": num_steps, "compute_gpu_hours":
+        0.001, "pass_rate": 0.1, "task": "all"}) + "\\n")  # its last step's validation
     checkpoint.commit(staging, checkpoint.checkpoint_path(root, num_steps), step=num_steps)
 else:
     while len(terms) < 2 and time.monotonic() < deadline:
@@ -422,3 +462,176 @@ def test_a_stop_signal_reaches_every_running_run_and_starts_no_further_one(tmp_p
     assert "stopped by SIGTERM; continue with `megatron-rl sweep" in stderr
     attempts = (tmp_path / "out" / "attempts.jsonl").read_text().splitlines()
     assert sorted(json.loads(line)["run"] for line in attempts) == ["cispo/seed1", "cispo/seed2"]
+
+
+# A stand-in for a resumed `megatron-rl train` under a compute budget, for the sweep's budget
+# logic only. Like the real run it takes a while to start (Ray, engines) before it puts back its
+# checkpoint's scaling log, then validates a step past the budget, and on SIGTERM writes a
+# checkpoint (with the log) and exits. It notes each event in stand_in.jsonl.
+BUDGET_STAND_IN = """
+import json, shutil, signal, sys, time
+from pathlib import Path
+from megatron_rl.resilience import checkpoint
+out, root = Path(sys.argv[1]), sys.argv[2]
+def note(what):
+    with open(out / "stand_in.jsonl", "a") as f:
+        f.write(json.dumps({"what": what, "at": time.time()}) + "\\n")
+terms = []
+signal.signal(signal.SIGTERM, lambda *_: (note("sigterm"), terms.append(1)))
+note("start")
+time.sleep(0.5)  # start-up: several of the sweep's budget checks
+shutil.copyfile(checkpoint.list_checkpoints(root)[0] / "scaling.jsonl", out / "scaling.jsonl")
+note("restored")
+with open(out / "scaling.jsonl", "a") as f:
+    f.write(json.dumps({"step": 3, "compute_gpu_hours": 0.0025, "pass_rate": 0.1,
+                        "task": "all"}) + "\\n")
+note("validated")
+deadline = time.monotonic() + 30
+while not terms and time.monotonic() < deadline:
+    time.sleep(0.02)
+staging = checkpoint.partial_path(root, 3)
+staging.mkdir(parents=True)
+shutil.copyfile(out / "scaling.jsonl", staging / "scaling.jsonl")
+checkpoint.commit(staging, checkpoint.checkpoint_path(root, 3), step=3)
+note("end")
+"""
+
+
+def test_a_resumed_run_is_stopped_for_its_budget_by_its_own_validations_only(
+        tmp_path, monkeypatch, capsys):
+    """Issue 37 item 8. The run crashed after validating step 3 past the budget, with step 2
+    its newest checkpoint (below the budget): it resumes, and the budget stops it (one SIGTERM)
+    only after it restored its checkpoint's log and validated past the budget itself, not on the
+    previous attempt's log. The run is a stand-in (BUDGET_STAND_IN) for the budget logic only."""
+    path = _sweep_file(tmp_path, _good(tmp_path, variants="{cispo: [algorithm.loss=cispo]}",
+                                       seeds="[1]", budget="{compute_gpu_hours: 2e-3}"))
+    (run,) = plan_runs(load_sweep(path))
+    root = Path(run.config.checkpoint_dir)
+    below = _scaling_lines((0, 0.0), (1, 0.0011), (2, 0.0019))
+    _commit(root, 2, below)
+    (run.output_dir / "scaling.jsonl").write_text(below + _scaling_lines((3, 0.0024)))
+    assert run_state(run, load_sweep(path)) == (RunState.RESUME, 2)
+    monkeypatch.setattr(sweep, "POLL_S", 0.0)  # look at the log on every tick
+    monkeypatch.setattr(sweep, "train_command", lambda run, spec, *, resume: [
+        sys.executable, "-c", BUDGET_STAND_IN, str(run.output_dir), run.config.checkpoint_dir])
+    assert sweep.main([str(path), "--resume", "--no-plots"]) == 0
+    assert [n["what"] for n in _notes(run)] == ["start", "restored", "validated", "sigterm", "end"]
+    assert run_state(run, load_sweep(path)) == (RunState.FINISHED, 3)
+    printed = capsys.readouterr().out
+    assert "[1/1] cispo/seed1: resuming from step 2" in printed
+    assert "cispo/seed1 validated past the budget of 0.002 GPU-hours: stopping it" in printed
+    assert "[1/1] cispo/seed1: finished in" in printed
+
+
+def _run(name, seed, series, *, failed=False, config=FAST):
+    return RunResult(variant=name, seed=seed, output_dir=Path(name), log=Path(name) / "train.log",
+                     failed=failed, exit_code=1 if failed else None, wall_seconds=None,
+                     series=series, fit=fit_sigmoid(series.compute_gpu_hours, series.pass_rate,
+                                                    r0=series.r0, config=config))
+
+
+def test_a_failed_runs_cut_short_curve_stays_out_of_the_pooled_fit_and_the_seed_spread():
+    """Issue 37 item 13. A run that failed early has a short curve whose fit is not the
+    variant's; it is left out of the pooled fit and of the seed spread, and named."""
+    full = [_curve(0.60, 1.5, noise_seed=1), _curve(0.62, 1.5, noise_seed=2)]
+    short = _curve(0.60, 1.5, noise_seed=3)
+    keep = short.compute_gpu_hours <= 0.3  # it failed before the curve bent
+    short = ScalingSeries(run="r", task="all", compute_gpu_hours=short.compute_gpu_hours[keep],
+                          pass_rate=short.pass_rate[keep], step=short.step[keep])
+    runs = [_run("v", 1, full[0]), _run("v", 2, full[1]), _run("v", 3, short, failed=True)]
+    variant = variant_result("v", (), runs, FAST)
+    assert variant.seed_spread == pytest.approx(np.std([runs[0].fit.a, runs[1].fit.a], ddof=1))
+    series, r0 = pooled_curve("v", runs[:2])  # the two that finished, by the reference path
+    assert variant.pooled_series.num_points == series.num_points == 2 * 31
+    assert variant.pooled.a == fit_series(series, r0=r0, config=FAST).a
+    assert [r.label for r in variant.ranked_runs] == ["v/seed1", "v/seed2"]
+    assert runs[2].excluded.startswith("failed (exit status 1)")
+    # Every run with a curve failed: the variant is not ranked, and the report says why.
+    alone = variant_result("w", (), [_run("w", 1, full[0], failed=True)], FAST)
+    assert alone.problem.startswith("every run with a curve failed") and "w/seed1" in alone.problem
+    assert rank_variants([alone, variant], FAST)[0].variant == "v"
+    assert [p.variant for p in rank_variants([alone, variant], FAST)] == ["v"]
+
+
+def test_a_curve_without_learning_leaves_its_variant_unranked_and_says_so(tmp_path, capsys):
+    """Issue 37 item 12. All-zero curves fit as A = one grid step, B at its bound: the report
+    says "no learning signal" instead of numbers and does not rank the variant."""
+    spec = load_sweep(_sweep_file(tmp_path, _good(tmp_path)))
+    runs = plan_runs(spec)
+    for run in runs:
+        log = ScalingLog(run.output_dir)
+        curve = _curve(0.62, 1.5, noise_seed=run.seed)
+        for step, compute, rate in zip(curve.step, curve.compute_gpu_hours, curve.pass_rate):
+            log.append(int(step), float(compute),
+                       {"all": float(rate) if run.variant == "cispo" else 0.0})
+    content = report_sweep(spec, runs, failed={}, wall_seconds={}, plots=False, config=FAST)
+    printed = capsys.readouterr().out
+    cispo, dapo = content["variants"]
+    assert [p["variant"] for p in content["ranking"]] == ["cispo"]
+    assert content["not_ranked"]["dapo"].startswith("no learning signal in the pooled fit: A "
+                                                    "0.005 within one grid step")
+    for record in (dapo["pooled"], *(r["fit"] for r in dapo["runs"])):
+        assert record["a"] is None and record["b"] is None and record["c_mid"] is None
+        assert record["a_ci"] is None and "at its upper bound" in record["no_learning_signal"]
+    assert dapo["pass_rate_at_target"] is None and dapo["seeds_ranked"] == []
+    assert cispo["pooled"]["no_learning_signal"] is None and cispo["pooled"]["a"] > 0.6
+    assert "left out of the ranking statistics: dapo/seed1: no learning signal: A 0.005 within " \
+        "one grid step" in printed
+    dapo_row = next(line for line in printed.splitlines() if line.startswith("│ dapo "))
+    assert re.search(r"│ 0/2 +│ 0\.000 │ no learning signal +│ - +│ - +│", dapo_row), dapo_row
+    assert "not ranked: no learning signal in the pooled fit" in printed
+
+
+def test_a_mean_a_below_a_variants_r0_is_a_tie_not_a_crash(tmp_path):
+    """Issue 37 item 10. A variant that starts high and barely moves (R0 0.30 -> A 0.31) next to
+    one that climbs to 0.285: A is within the tolerance, and their mean A (~0.298) is below the
+    first one's R0, so no curve of it rises to that A. The comparison is a tie that says why, and
+    the report is written."""
+    high = _variant("high", [_curve(0.31, 1.5, r0=0.30)])
+    climb = _variant("climb", [_curve(0.285, 1.5, r0=0.05)])
+    assert high.pooled.no_learning_signal is None and climb.pooled.no_learning_signal is None
+    assert 0.5 * (high.pooled.a + climb.pooled.a) <= high.pooled_r0
+    ranking = rank_variants([high, climb], FAST, floor=0.05)
+    assert [p.rank for p in ranking] == [1, 1]
+    assert "is not above the R0 0.300 of high: B cannot be compared" in ranking[1].verdict
+    assert ranking[1].verdict.startswith("indistinguishable from high: |dA| 0.025 < max(0.05")
+
+
+def _simulated_variant(name, rng, *, a=0.6, b=1.5, num_seeds=3):
+    """A variant of `num_seeds` seeds as the paper describes seed-to-seed variation: per seed
+    A ~ N(a, 0.015) and B = b (1 + N(0, 0.15)); 12 validations each with noise sd 0.005."""
+    compute = np.geomspace(0.05, 20.0, 12)
+    runs = []
+    for seed in range(num_seeds):
+        a_seed, b_seed = a + rng.normal(0.0, 0.015), b * (1.0 + rng.normal(0.0, 0.15))
+        rate = 0.2 + (a_seed - 0.2) / (1.0 + (1.0 / compute) ** b_seed)
+        rate = rate + rng.normal(0.0, 0.005, compute.size)
+        series = ScalingSeries(run=name, task="all", compute_gpu_hours=np.r_[0.0, compute],
+                               pass_rate=np.clip(np.r_[0.2, rate], 0.0, 1.0),
+                               step=np.arange(compute.size + 1))
+        runs.append(_run(name, seed, series, config=SIMULATION))
+    return variant_result(name, (), runs, SIMULATION)
+
+
+SIMULATION = SigmoidFitConfig(num_bootstrap=0)  # the seeds are the replicates
+
+
+def test_variants_that_differ_by_chance_are_rarely_ranked_apart():
+    """Issue 37 item 11. Ten variants drawn from one distribution (3 seeds each, seed spread of
+    A 0.015 and of B 15%), compared pair by pair: at the 95% level at most 5% of the 45 pairs
+    may be ranked apart (the pooled bootstrap intervals, which treat seeds x points as
+    independent, ranked about half of them apart). Variants that do differ (B doubled, or A up
+    by 0.06) are still ranked apart from every one of three plain ones, in the right order."""
+    rng = np.random.default_rng(2037)
+    same = [_simulated_variant(f"v{i}", rng) for i in range(10)]
+    apart = [(x.name, y.name) for x, y in itertools.combinations(same, 2)
+             if len({p.rank for p in rank_variants([x, y], SIMULATION)}) == 2]
+    print(f"ranked apart: {len(apart)} of 45 pairs")
+    assert len(apart) <= 0.05 * 45, apart
+    steeper = _simulated_variant("steeper", rng, b=3.0)
+    higher = _simulated_variant("higher", rng, a=0.66)
+    for better in (steeper, higher):
+        for plain in same[:3]:
+            ranking = rank_variants([plain, better], SIMULATION)
+            assert [(p.rank, p.variant) for p in ranking] == [(1, better.name), (2, plain.name)], (
+                ranking[1].verdict)
