@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from megatron_rl.cluster.processes import kill_process_group
 from megatron_rl.cluster.remote import actor_class, gather, kill_actors
+from megatron_rl.cluster.runtime import lost_nodes
 from megatron_rl.rollout import GeneratorDeadError, GeneratorError, SGLangServerSettings
 
 
@@ -431,7 +432,12 @@ class GeneratorPool:
             try:
                 ray.get(ref, timeout=0)  # the actor's shutdown() returned before the kill
             except Exception:  # noqa: BLE001 (reported below)
-                unconfirmed.append(endpoint.describe())
+                unconfirmed.append((endpoint.node_id, endpoint.describe()))
+        if unconfirmed:
+            # A server on a node Ray declares dead went with it: its processes die with their
+            # raylet and launcher (PDEATHSIG), or the host is gone. Only the others are a doubt.
+            lost = lost_nodes({node for node, _ in unconfirmed})
+            unconfirmed = [server for node, server in unconfirmed if node not in lost]
         if unconfirmed:
             raise GeneratorError("could not confirm that these servers stopped (their actors "
                                  "failed on another node): " + "; ".join(unconfirmed))

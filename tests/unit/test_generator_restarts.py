@@ -447,3 +447,22 @@ def test_an_engine_started_by_a_sync_joins_that_sync(tmp_path, loop, monkeypatch
     world.version = 8  # that sync published version 8 into both engines
     health.check()
     assert manager.down == frozenset() and len(trainers.calls) == 1  # no sync of its own
+
+
+@pytest.mark.parametrize("node_lost", [True, False])
+def test_a_server_on_a_lost_node_counts_as_stopped_at_shutdown(tmp_path, loop, monkeypatch,
+                                                              node_lost):
+    """Issue 37 item 2: a run ended by a lost node that also held engines tears down without
+    "could not confirm that these servers stopped" for the servers that went with that node (their
+    actors' shutdown calls fail: the node is gone); a server whose actor failed on a node Ray still
+    counts alive is still reported. Ray's node table is a stand-in (`lost_nodes`)."""
+    health, pool, manager, trainers, world = _run(tmp_path, loop, monkeypatch, 2)
+    pool._endpoints = [dataclasses.replace(e, node_id="node-b") for e in pool._endpoints]
+    pool.actors[1].dead = True  # its node went: every call to its actor fails
+    monkeypatch.setattr(generators_module, "lost_nodes",
+                        lambda ids: {"node-b": "10.0.0.2"} if node_lost else {})
+    if node_lost:
+        pool.shutdown()
+    else:
+        with pytest.raises(GeneratorError, match="could not confirm.*generator-1"):
+            pool.shutdown()
