@@ -208,19 +208,22 @@ class RunMetrics:
         self._paused_busy_s += seconds
 
     def _activity(self) -> list:
-        return [client.activity() for client in self.clients]
+        from megatron_rl.rollout.async_client import activities
+
+        return activities(self.clients)
 
     def _window_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Generator and trainer utilisation since the previous step's log."""
+        from megatron_rl.rollout.async_client import activity_since
+
         now, activity = time.perf_counter(), self._activity()
         started, before, paused_busy = self._window
         self._window = (now, activity, self._paused_busy_s)
         wall = max(now - started, 1e-9)
-        busy = sum((a - b).busy_s for a, b in zip(activity, before)) \
-            - (self._paused_busy_s - paused_busy)
+        window = activity_since(activity, before)
+        busy = sum(w.busy_s for w in window) - (self._paused_busy_s - paused_busy)
         out = {"perf/generator_busy_fraction": max(busy, 0.0) / (wall * len(activity)),
-               "perf/generation_tokens_per_s":
-                   sum((a - b).tokens for a, b in zip(activity, before)) / wall,
+               "perf/generation_tokens_per_s": sum(w.tokens for w in window) / wall,
                # requests resent after a broken connection, whole run (async_client.py)
                "rollout/reconnects": float(sum(client.reconnects for client in self.clients))}
         step_s = metrics.get("perf/step_seconds")

@@ -44,14 +44,15 @@ transformers, converted with megatron_rl.convert, served by SGLang from the layo
    of the same weights (the fp32 local-spec run anchors that reference). Micro-batch lengths must
    be multiples of the FP8 alignment.
 3. sglang: an SGLang CUDA engine of the same model (Llama4ForConditionalGeneration: the loader
-   that un-fuses the experts) on the attention backend megatron_rl's rule picks (fa3 on Hopper;
-   on Blackwell SGLang 0.5.23 has none that honours Llama-4's chunk, and stages 3-4 record the
-   refusal), its log-probs per position before and past the attention chunk against
-   transformers' fp32 forward, and its teacher-forced log-probs against the trainer's token by
-   token: as loaded, after a train step (stale), after a sync over the distributed transport
-   (gloo: two NCCL ranks cannot share one GPU, and gloo carries CUDA tensors), and after a second
-   train step and a sync over the in-memory transport (CUDA IPC) with buckets small enough to
-   reuse buffers.
+   that un-fuses the experts) on an attention backend that honours Llama-4's chunk (fa3 on
+   Hopper, megatron_rl's default there; torch_native, patched by megatron_rl, on Blackwell and
+   other GPUs, where SGLang 0.5.23 has no fast one: `tiny_attention_backend`; stages 3-4 record
+   megatron_rl's refusal should it still refuse), its log-probs per position before and past the
+   attention chunk against transformers' fp32 forward, and its teacher-forced log-probs against
+   the trainer's token by token: as loaded, after a train step (stale), after a sync over the
+   distributed transport (gloo: two NCCL ranks cannot share one GPU, and gloo carries CUDA
+   tensors), and after a second train step and a sync over the in-memory transport (CUDA IPC)
+   with buckets small enough to reuse buffers.
 4. colocated: an engine with SGLang's memory saver beside the trainer: release -> train_step ->
    the trainer offloads (RLTrainer.offload_training_state) -> resume the weights -> sync ->
    resume the KV cache -> generate -> the trainer reloads -> train_step, with
@@ -135,11 +136,7 @@ IMPORTS = ("sgl_kernel", "flashinfer", "transformer_engine.pytorch", "megatron.c
 # initializer_range (0.02: at 0.1 the random sequences' tokens sit deep in the tails, where bf16
 # activations move a log-prob by up to 2 nats, seen on CPU).
 TINY_SIZE = "demo"
-# None: megatron_rl's rule for chunked attention (rollout/sglang_server.py gpu_attention_backend):
-# fa3 on Hopper (its kernels round head_dim 32 up to their 64 instantiation); a Blackwell GPU has
-# no SGLang 0.5.23 backend that honours Llama-4's chunk, and stages 3-4 record the refusal.
-# (triton, picked here before, attends to the whole prefix: every token past the chunk wrong.)
-TINY_ATTENTION_BACKEND = None
+# The engines' attention backend on the GPU at hand: `tiny_attention_backend` (section 3).
 # (prompt, completion) lengths: uneven, none a multiple of 8, all longer than one chunk.
 SEQUENCE_LENGTHS = ((8, 50), (12, 61), (5, 74), (9, 45), (16, 67), (11, 56))
 MICRO_BATCH_MAX_TOKENS = 160  # several micro-batches of uneven lengths
@@ -669,14 +666,28 @@ def check_trainer(ctx: Context) -> dict:
 
 # ----------------------------------------------------------------------------- 3. sglang
 
+def tiny_attention_backend(compute_capability: tuple[int, int] | None) -> str | None:
+    """The engines' rollout.attention_backend on this GPU. None on Hopper (or unknown):
+    megatron_rl's rule (rollout/sglang_server.py gpu_attention_backend) picks fa3 (its kernels
+    round head_dim 32 up to their 64 instantiation). Elsewhere (Blackwell: SGLang 0.5.23 has no
+    fast backend that honours Llama-4's chunk, and the rule refuses an unset one) torch_native,
+    which megatron_rl patches to honour the chunk, so the per-position check past the chunk runs
+    there too (slowly: no CUDA graphs). (triton, picked here before, attends to the whole prefix:
+    every token past the chunk wrong.)"""
+    if compute_capability is None or compute_capability[0] == 9:
+        return None
+    return "torch_native"
+
+
 def server_settings(ctx: Context, *, memory_saver: bool, name: str):
     from megatron_rl.rollout import SGLangServerSettings
+    from megatron_rl.rollout.sglang_server import gpu_compute_capability
 
     # visible_devices unset: the engine sees this process's GPUs and takes the first, the
     # trainer's; mem_fraction_static leaves the rest of it to the trainer.
     return SGLangServerSettings(
         model_path=str(ctx.model.served_dir), dtype="bfloat16", device="cuda",
-        attention_backend=TINY_ATTENTION_BACKEND,
+        attention_backend=tiny_attention_backend(gpu_compute_capability()),
         mem_fraction_static=0.25 if memory_saver else 0.15, context_length=512,
         enable_memory_saver=memory_saver, startup_timeout_s=150, request_timeout_s=120,
         max_retries=1, log_path=str(ctx.work / f"sglang_{name}.log"),
@@ -742,8 +753,8 @@ def by_position(logprobs: list, reference: list, chunk: int) -> dict:
 
 
 def chunked_attention_refusal(ctx: Context) -> str | None:
-    """Why megatron_rl refuses an engine of the tiny Llama-4 on this GPU (its chunked attention
-    has no backend here: Blackwell, SGLang 0.5.23), or None."""
+    """Why megatron_rl refuses an engine of the tiny Llama-4 on this GPU, or None (always None
+    where `tiny_attention_backend` asks for torch_native, i.e. off Hopper, and on Hopper)."""
     try:
         server_settings(ctx, memory_saver=False, name="probe").server_args(port=30000)
     except ValueError as exc:
@@ -752,7 +763,10 @@ def chunked_attention_refusal(ctx: Context) -> str | None:
 
 
 def check_sglang(ctx: Context) -> dict:
+    from megatron_rl.rollout.sglang_server import gpu_compute_capability
+
     model = tiny_model(ctx, weights=False)
+    backend = tiny_attention_backend(gpu_compute_capability()) or "fa3"  # fa3: the rule's choice
     result = {}
     for name, saver in (("sglang", False), ("colocated", True)):
         args = server_settings(ctx, memory_saver=saver, name=name).server_args(port=30000)
@@ -760,9 +774,14 @@ def check_sglang(ctx: Context) -> dict:
         result[f"server_{name}"] = {"args": args, "parsed": {k: str(parsed[k]) for k in (
             "device", "dtype", "mem_fraction_static", "enable_fp32_lm_head",
             "enable_memory_saver", "cuda_graph_max_bs_decode", "attention_backend",
-            "enable_weights_cpu_backup")}}
-        expect(parsed["attention_backend"] == "fa3", f"the {name} engine of the chunked-attention "
-               f"model gets attention backend {parsed['attention_backend']!r}, not fa3", result)
+            "enable_weights_cpu_backup", "disable_hybrid_swa_memory")}}
+        expect(parsed["attention_backend"] == backend, f"the {name} engine of the "
+               f"chunked-attention model gets attention backend {parsed['attention_backend']!r}, "
+               f"not {backend}", result)
+        # torch_native reads the hybrid sliding-window KV pool with the wrong indices.
+        expect(parsed["disable_hybrid_swa_memory"] == (backend == "torch_native"), f"the {name} "
+               f"engine on {backend} has disable_hybrid_swa_memory "
+               f"{parsed['disable_hybrid_swa_memory']}", result)
     expect(result["server_colocated"]["parsed"]["enable_weights_cpu_backup"] == "True",
            "the colocated Llama-4 engine would lose its q/k-norm weight at a release (no "
            "--enable-weights-cpu-backup)", result)

@@ -55,6 +55,7 @@ class WeightPusher:
         (`check_generators`) and the sync retried once. Returns (report, generator-seconds of
         requests held by the pause)."""
         from megatron_rl.rollout import SGLangGenerator
+        from megatron_rl.rollout.async_client import activity_since
         from megatron_rl.weight_sync import WeightSyncError
 
         if self.released:  # colocated: the weights' memory back, to load into
@@ -73,8 +74,11 @@ class WeightPusher:
             self.released = False
         # Requests in flight while the generators were paused made no progress: that time is
         # not busy (a generator with nothing in flight lost nothing to the pause).
-        paused_busy = sum(min(report.paused_s, (a - b).busy_s) for a, b in zip(after, before))
+        paused_busy = sum(min(report.paused_s, window.busy_s)
+                          for window in activity_since(after, before))
         return report, paused_busy
 
     def _activity(self) -> list:
-        return [client.activity() for client in self.clients]
+        from megatron_rl.rollout.async_client import activities
+
+        return activities(self.clients)

@@ -23,7 +23,8 @@ breaks without it (CPU_STACK.md, verified by switching it off):
    The wrapper writes the result back in place. See `_rotate_in_place`.
 7. Llama-4 chunked local attention on torch_native (the CPU attention backend ignores it and
    attends to the whole prefix): chunk-block masks on RoPE layers; needs
-   --disable-hybrid-swa-memory (checked). See `_with_chunked_attention`.
+   --disable-hybrid-swa-memory (checked). GPU engines on torch_native need it too, so it lives in
+   megatron_rl/platform/sglang_chunked_attention.py (applied on GPU by the launcher).
 8. Per-request sampling seeds, for servers started with MEGATRON_RL_SAMPLING_SEEDS=1
    (rollout.deterministic): SGLang uses a request's `sampling_seed` only under
    --enable-deterministic-inference, which needs a GPU attention backend (fa3 / flashinfer /
@@ -67,6 +68,8 @@ import types
 
 import torch
 
+from megatron_rl.platform import sglang_chunked_attention
+
 _applied = False
 
 
@@ -86,8 +89,7 @@ def apply_sglang_cpu_fixes() -> bool:
         _install_torchvision_stand_in()
         _patch_on_import("sglang.srt.layers.moe.fused_moe_native", _patch_native_moe)
         _patch_on_import("sglang.srt.models.llama4", _patch_llama4_rope)
-        _patch_on_import("sglang.srt.layers.attention.torch_native_backend",
-                         _patch_torch_native_chunked_attention)
+        sglang_chunked_attention.apply_chunked_attention_fix()
         _patch_on_import("sglang.srt.weight_sync.tensor_bucket", _patch_tensor_bucket)
         _patch_on_import("sglang.srt.state_capturer.base", _patch_routed_experts_host_cache)
         _patch_on_import("sglang.srt.mem_cache.kv_cache_configurator", _patch_kv_budget)
@@ -370,64 +372,13 @@ def _patch_llama4_rope(module) -> None:
     attention_class.__init__ = __init__
 
 
-# 7. Llama-4 chunked local attention on the CPU attention backend (torch_native). On RoPE layers
-#    (RadixAttention.use_irope) a token attends causally within its `attention_chunk_size` chunk
-#    only; the GPU backends implement it, torch_native ignores `use_irope` and attends to the
-#    whole prefix. The backend already masks by a sliding window when a layer has one: for a
-#    chunked layer this fix hands it the chunk size as the window and, for that call, a mask
-#    builder that draws chunk blocks instead (same keyword arguments, absolute positions, so
-#    prefill, cached prefixes and decode are all covered). Without it the tiny test model's
-#    log-probs are off by up to ~4 nats from the first token past the first chunk. SGLang also
-#    keeps the KV of Llama-4's chunked layers in a separate, smaller sliding-window pool by
-#    default, which torch_native reads with full-pool indices: wrong rows once the two pools'
-#    slots diverge, then "IndexError: index 820 is out of bounds for dimension 0 with size 820"
-#    (a 819-token window pool). A chunked model on this backend must be served with
-#    --disable-hybrid-swa-memory; starting without it is an error rather than silent garbage.
-def _chunked_causal_mask(*, q_len: int, kv_len: int, sliding_window_size: int,
-                         device, query_offset: int = 0) -> torch.Tensor:
-    """[q_len, kv_len] True = attend: key k is at or before query q and in q's chunk (chunk size
-    passed as `sliding_window_size`, the name of the mask builder this stands in for)."""
-    q_pos = torch.arange(query_offset, query_offset + q_len, device=device).unsqueeze(1)
-    k_pos = torch.arange(kv_len, device=device).unsqueeze(0)
-    return (k_pos <= q_pos) & (k_pos >= q_pos - q_pos % sliding_window_size)
-
-
-def _with_chunked_attention(forward):
-    """Wrap torch_native's forward_extend / forward_decode (see fix 7)."""
-
-    def wrapped(self, q, k, v, layer, forward_batch, *args, **kwargs):
-        chunk = self.attention_chunk_size
-        if chunk is None or not getattr(layer, "use_irope", False):
-            return forward(self, q, k, v, layer, forward_batch, *args, **kwargs)
-        window = layer.sliding_window_size
-        layer.sliding_window_size = chunk
-        self._make_sliding_window_mask = _chunked_causal_mask  # shadows the staticmethod
-        try:
-            return forward(self, q, k, v, layer, forward_batch, *args, **kwargs)
-        finally:
-            layer.sliding_window_size = window
-            del self._make_sliding_window_mask
-
-    return wrapped
-
-
-def _patch_torch_native_chunked_attention(module) -> None:
-    backend_class = module.TorchNativeAttnBackend
-    init = backend_class.__init__
-
-    @functools.wraps(init)
-    def __init__(self, model_runner, *args, **kwargs):
-        init(self, model_runner, *args, **kwargs)
-        self.attention_chunk_size = getattr(model_runner, "attention_chunk_size", None)
-        if self.attention_chunk_size is not None and self.use_sliding_window_kv_pool:
-            raise RuntimeError(
-                "torch_native attention reads a chunked-attention model's sliding-window KV pool "
-                "with full-pool indices: serve this model (e.g. Llama-4) on CPU with "
-                "--disable-hybrid-swa-memory (megatron_rl/platform/sglang_cpu.py, fix 7)")
-
-    backend_class.__init__ = __init__
-    backend_class.forward_extend = _with_chunked_attention(backend_class.forward_extend)
-    backend_class.forward_decode = _with_chunked_attention(backend_class.forward_decode)
+# 7. Llama-4 chunked local attention on torch_native: shared with GPU engines that serve a
+#    chunked-attention model on torch_native (Blackwell), so it lives in
+#    megatron_rl/platform/sglang_chunked_attention.py; these names stay for the CPU tests.
+_chunked_causal_mask = sglang_chunked_attention._chunked_causal_mask
+_with_chunked_attention = sglang_chunked_attention._with_chunked_attention
+_patch_torch_native_chunked_attention = (
+    sglang_chunked_attention.patch_torch_native_chunked_attention)
 
 
 # 10. Routed experts (--enable-return-routed-experts, rollout.routing_replay) on CPU. The capturer

@@ -103,6 +103,18 @@ class GeneratorActivity:
                                  self.requests - other.requests)
 
 
+def activities(clients: Sequence) -> list:
+    """(client, its cumulative GeneratorActivity) per engine, for `activity_since`."""
+    return [(client, client.activity()) for client in clients]
+
+
+def activity_since(now: list, before: list) -> list[GeneratorActivity]:
+    """Each engine's activity between two `activities` readings: the difference for a client
+    read both times; all of a client made in between (its engine restarted: the new client
+    counts from zero, and the old one's counters ended with it)."""
+    return [a - b if client is old else a for (client, a), (old, b) in zip(now, before)]
+
+
 class AsyncSGLangClient:
     """Use inside a running event loop; `close()` (or `async with`) releases its connections."""
 

@@ -5,8 +5,10 @@ First the server ties its life to the process that launched it (megatron_rl.roll
 engine_lifetime: SIGKILL at the launcher's death, and so for every process it forks). The module
 body then sets the engine's NCCL variables (megatron_rl.platform.environment: the values trainer
 ranks use too; ones already in the environment, e.g. from the Ray job, stay) and applies
-megatron_rl.platform.sglang_cpu's fixes (a no-op with CUDA), both before SGLang is imported (SGLang
-keeps NCCL values it finds set). SGLang starts its scheduler and detokenizer with multiprocessing
+megatron_rl.platform.sglang_cpu's fixes (a no-op with CUDA) and, on CPU and GPU alike,
+megatron_rl.platform.sglang_chunked_attention's (Llama-4's chunked attention on torch_native, a
+no-op for other models and backends), all before SGLang is imported (SGLang keeps NCCL values it
+finds set). SGLang starts its scheduler and detokenizer with multiprocessing
 (forked on CPU, platform/sglang_cpu.py fix 12; spawned on GPU, which re-imports this module as
 `__mp_main__` in each child), so every process of the server gets the same settings and fixes.
 The `__main__` guard keeps the children from launching servers of their own.
@@ -23,11 +25,13 @@ if __name__ in ("__main__", "__mp_main__"):  # before the slow imports below
     tie_forked_children()
 
 from megatron_rl.platform.environment import apply_generator_environment  # noqa: E402
+from megatron_rl.platform.sglang_chunked_attention import apply_chunked_attention_fix  # noqa: E402
 from megatron_rl.platform.sglang_cpu import apply_sglang_cpu_fixes  # noqa: E402
 from megatron_rl.rollout.sglang_server import API_KEY_ENV  # noqa: E402
 
 apply_generator_environment()
 apply_sglang_cpu_fixes()
+apply_chunked_attention_fix()  # GPU engines too: torch_native serves Llama-4 on Blackwell
 
 _KEY_FIELDS = ("api_key", "admin_api_key")
 

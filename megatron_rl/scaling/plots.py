@@ -44,6 +44,10 @@ def plot_curves(entries: list[CurvePlot], path: str | os.PathLike, *,
     for entry, color in zip(entries, colors):
         compute, rate = entry.series.compute_gpu_hours, entry.series.pass_rate
         positive = compute > 0.0
+        if entry.fit.no_learning_signal is not None:  # its points, and no curve to believe
+            ax.scatter(compute[positive], rate[positive], color=color, s=18, marker="x",
+                       label=f"{entry.series.label} (no learning signal)")
+            continue
         fit_max = entry.fit.max_compute
         warmup = positive & (compute < entry.warmup_compute)
         fitted = positive & ~warmup & (compute <= fit_max)
@@ -92,6 +96,8 @@ def plot_efficiency(entries: list[CurvePlot], path: str | os.PathLike, *,
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for entry, color in zip(entries, _colors(len(entries))):
+        if entry.fit.no_learning_signal is not None:  # no slope to show
+            continue
         c, f = efficiency_points(entry.series, entry.fit)
         if c.size == 0:
             continue

@@ -557,20 +557,20 @@ def _duration(seconds: float | None) -> str:
 def write_plots(out: Path, results: list[RunResult], variants: list[VariantResult],
                 config: SigmoidFitConfig, target: float | None) -> list[Path]:
     """curves.png: every run's points and fit; extrapolation.png: each variant's pooled fit,
-    dashed up to the target compute."""
+    dashed up to the target compute. A fit without a learning signal shows its points only."""
     # Imported here: matplotlib costs ~1 s to import.
     from megatron_rl.scaling.plots import CurvePlot, plot_curves
 
     written = []
     runs = [CurvePlot(series=dataclasses.replace(r.series, run=r.label.replace("/", " ")),
                       fit=r.fit, warmup_compute=config.warmup_compute)
-            for r in results if r.fit is not None and r.fit.no_learning_signal is None]
+            for r in results if r.fit is not None]
     if runs:
         written.append(out / "curves.png")
         plot_curves(runs, written[-1], extend_to=target,
                     title="Every run of the sweep: points and sigmoid fit")
     pooled = [CurvePlot(series=v.pooled_series, fit=v.pooled, warmup_compute=config.warmup_compute)
-              for v in variants if v.problem is None]
+              for v in variants if v.pooled is not None and v.pooled_series is not None]
     if pooled:
         written.append(out / "extrapolation.png")
         plot_curves(pooled, written[-1], extend_to=target,

@@ -27,7 +27,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: add the helpers
 from _checks import ROOT, processes_left, tiny_llama_checkpoint, wait_for_exit  # noqa: E402
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]  # three runs, one resumed: ~800 s in the suite
 
 NUM_STEPS = 5
 RUN = ["logging.progress_bar=false", "eval.at_step_zero=true", "eval.interval_steps=1",

@@ -8,7 +8,8 @@ ETP1 for the 4 routed experts. Rank 0 writes the measured values to OUT_JSON; th
 asserts on them. Steps: trainer log-probs of fixed sequences vs the generator's before any sync
 (stale) and after sync 1, both against transformers run in FP32 on the synced bf16 weights;
 greedy completions vs transformers' on the same weights (and the logit margins that make that
-comparison meaningful); a train step changes the weights and sync 2 makes the generator follow.
+comparison meaningful); a train step changes the weights and sync 2 makes the generator follow,
+both sides again against transformers in FP32 on the weights sync 2 sent.
 """
 from __future__ import annotations
 
@@ -145,9 +146,17 @@ def main() -> None:
     report = sync.sync()
     result["sync2_version"] = report.version
     if rank == 0:
-        result["synced2_max_diff"] = max_abs_diff(train_logp_2, generator.score(SEQUENCES))
+        gen_logp_2 = generator.score(SEQUENCES)
+        result["synced2_max_diff"] = max_abs_diff(train_logp_2, gen_logp_2)
         result["generator_version_2"] = generator.weight_version
         result["server_version_2"] = generator.server_weight_version()
+    # The FP32 function of the weights sync 2 sent: tells a sync fault (the generator strays
+    # from it) from a bf16 near-tie in the top-1 router that flips one side's expert choice.
+    hf_state_2 = sync.hf_state_dict()
+    if rank == 0:
+        hf_logp_2 = transformers_logprobs(transformers_model(family, hf_state_2), SEQUENCES)
+        result["generator_vs_transformers_2"] = max_abs_diff(gen_logp_2, hf_logp_2)
+        result["trainer_vs_transformers_2"] = max_abs_diff(train_logp_2, hf_logp_2)
     finish(rank, result, out_path, sync)
 
 

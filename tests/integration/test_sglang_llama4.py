@@ -12,10 +12,21 @@ parameters to a bf16 generator is lossless) and both compute in bf16 with an FP3
 separates their log-probs is bf16 activation rounding in two different implementations. The
 yardstick is transformers computing in FP32 on the synced bf16 weights, i.e. the exact function of
 those weights. Measured max |diff| per token over 37 scored tokens (chunked sequences up to 20
-tokens): generator vs trainer 0.016 (0.014 after sync 2), generator vs transformers 0.015,
-trainer vs transformers 0.024; stale (unsynced) weights 2.9 nats, the train step moved the
-trainer by 2.3. LOGPROB_TOLERANCE = 0.05 is 2x the largest measured bf16 gap and 10x below the
-stale / moved differences the test also asserts.
+tokens), on the earlier CI machine / on a 2-core AMD EPYC:
+  after sync 1: generator vs trainer 0.016 / 0.022, generator vs transformers 0.015 / 0.015,
+                trainer vs transformers 0.024 / 0.018;
+  after sync 2: generator vs trainer 0.014 / 0.061, generator vs transformers - / 0.013,
+                trainer vs transformers - / 0.070;
+stale (unsynced) weights 2.9 nats, the train step moved the trainer by 2.3-2.4. The EPYC's
+0.061 / 0.070 after sync 2 is one token (the fourth of the 20-token sequence; every other token
+is within 0.021) where the trainer's bf16 flipped a top-1 router near-tie: after the step, layer
+1's router logits there are 0.0505 vs 0.0482 for two experts (gap 0.0023; bf16 activations move
+that gap by ~0.01: transformers in bf16 reads 0.013), and forcing transformers' FP32 run onto the
+runner-up expert moves that token by 0.065. A flipped expert choice is a discrete jump that a
+bf16 implementation may or may not take on a given CPU's kernels, not a sync fault (the generator
+stays within 0.013 of the FP32 function of the weights sync 2 sent). LOGPROB_TOLERANCE = 0.15 is
+2x the largest measured gap (one such flip) and 15x below the stale / moved differences the test
+also asserts.
 Greedy tokens (12 per prompt, decode crossing chunk boundaries): bf16 may flip a near-tie, so the
 checks are (1) teacher forcing: every token SGLang chose is transformers' FP32 argmax given the
 same prefix, or within GREEDY_LOGIT_BAND = 0.05 of it (measured: all 36 are the argmax); (2) the
@@ -43,7 +54,7 @@ sys.path.insert(0, str(HERE))
 
 from _workers import WorkerLaunch  # noqa: E402
 
-LOGPROB_TOLERANCE = 0.05
+LOGPROB_TOLERANCE = 0.15
 GREEDY_LOGIT_BAND = 0.05
 
 
@@ -111,3 +122,7 @@ def test_second_sync_after_a_train_step_moves_the_generator(sync_result):
     assert r["sync2_version"] == 2
     assert r["generator_version_2"] == 2 and r["server_version_2"] == "2"
     assert r["synced2_max_diff"] < LOGPROB_TOLERANCE
+    # Both sides against the FP32 function of the weights sync 2 sent (a sync fault shows here
+    # on the generator's side, a bf16 router near-tie on either).
+    assert r["generator_vs_transformers_2"] < LOGPROB_TOLERANCE
+    assert r["trainer_vs_transformers_2"] < LOGPROB_TOLERANCE

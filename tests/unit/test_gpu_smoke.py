@@ -80,7 +80,8 @@ def test_dry_run_on_cpu_checks_every_stage_and_runs_the_trainer(tmp_path):
         parsed = sglang[name]["parsed"]  # by SGLang's own argument parser
         assert (parsed["device"], parsed["dtype"], parsed["enable_memory_saver"]) == (
             "cuda", "bfloat16", saver)
-        # Issue 39.2: the chunked-attention model on a backend that honours the chunk (fa3);
+        # Issue 39.2: the chunked-attention model on a backend that honours the chunk (fa3: no
+        # GPU here, so the Hopper default; Blackwell's torch_native is tested below);
         # 39.3: the colocated engine keeps its q/k-norm weight across a release.
         assert parsed["attention_backend"] == "fa3"
         assert parsed["enable_weights_cpu_backup"] == saver
@@ -160,3 +161,29 @@ def test_the_per_position_check_tells_a_chunk_ignoring_engine(tmp_path):
     assert split["within_chunk"] == {"mean_abs": 0.0, "max_abs": 0.0, "num_tokens": 6}
     assert split["past_chunk"] == {"mean_abs": 1.0, "max_abs": 1.0, "num_tokens": 8}
 
+
+
+@pytest.mark.parametrize("capability, backend", [((9, 0), "fa3"), ((10, 0), "torch_native"),
+                                                 (None, "fa3")],
+                         ids=["hopper", "blackwell", "unknown"])
+def test_the_sglang_stages_serve_the_chunk_on_hopper_and_blackwell(tmp_path, monkeypatch,
+                                                                   capability, backend):
+    """Issue 39.2: the per-position check past the chunk runs on Blackwell too, on torch_native
+    (patched to honour the chunk, one KV pool); Hopper keeps megatron_rl's default, fa3. Both
+    engines' arguments through SGLang's own parser; nothing is refused."""
+    import types
+
+    from megatron_rl.rollout import sglang_server
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "text_config": {"attention_chunk_size": 48, "use_qk_norm": True}}))
+    monkeypatch.setattr(sglang_server, "gpu_compute_capability", lambda: capability)
+    ctx = types.SimpleNamespace(model=types.SimpleNamespace(served_dir=tmp_path), work=tmp_path)
+    assert gpu_smoke.chunked_attention_refusal(ctx) is None
+    for saver in (False, True):
+        args = gpu_smoke.server_settings(ctx, memory_saver=saver, name="probe").server_args(30000)
+        parsed = gpu_smoke.parse_with_sglang(args)
+        assert (parsed["device"], parsed["attention_backend"]) == ("cuda", backend)
+        assert parsed["disable_hybrid_swa_memory"] is (backend == "torch_native")
+        assert parsed["enable_weights_cpu_backup"] is saver

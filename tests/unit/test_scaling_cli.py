@@ -199,3 +199,43 @@ def test_fit_says_no_learning_signal_instead_of_numbers(tmp_path, capsys):
         assert [fit[k] for k in ("a", "a_ci", "b", "b_ci", "c_mid", "c_mid_ci")] == [None] * 6
         assert fit["num_points"] == 30
     assert rising["no_learning_signal"] is None and rising["a"] == pytest.approx(0.6, abs=0.005)
+
+
+def test_the_plots_show_a_curve_without_learning_as_points_only(tmp_path, monkeypatch):
+    """A fit with no learning signal is drawn as its points, labelled so, with no sigmoid (whose
+    parameters sit at a bound) and no efficiency slope; the plots are still written (the sweep's
+    e2e, where five steps of a random policy learn nothing, needs its curves.png)."""
+    from megatron_rl.scaling import plots
+
+    labels = []
+    real_add_subplot = plots.Figure.add_subplot
+
+    def add_subplot(figure, *args, **kwargs):
+        ax = real_add_subplot(figure, *args, **kwargs)
+        for method in ("scatter", "plot"):
+            drawn = getattr(ax, method)
+
+            def record(*a, _drawn=drawn, **k):
+                labels.append(k.get("label"))
+                return _drawn(*a, **k)
+            setattr(ax, method, record)
+        return ax
+
+    monkeypatch.setattr(plots.Figure, "add_subplot", add_subplot)
+    compute = np.r_[0.0, np.geomspace(0.05, 20.0, 30)]
+    rising = [float(curve(c, 0.6, 1.5, 1.0, 0.2)) for c in compute]
+    paths = []
+    for name, rates in (("zero", [0.0] * 31), ("rising", rising)):
+        paths.append(tmp_path / f"{name}.csv")
+        paths[-1].write_text("compute_gpu_hours,pass_rate\n"
+                             + "".join(f"{c},{r}\n" for c, r in zip(compute, rates)))
+    out = tmp_path / "plots"
+    assert fit_main([*map(str, paths), "--num-bootstrap", "20", "--out-dir", str(out)]) == 0
+    for name in ("curves.png", "efficiency.png"):
+        assert (out / name).read_bytes().startswith(b"\x89PNG")
+    drawn = [label for label in labels if label]
+    assert any("(no learning signal)" in label and label.startswith("zero") for label in drawn)
+    sigmoids = [label for label in drawn if label.startswith("sigmoid A=")]
+    slopes = [label for label in drawn if label.startswith("slope B=")]
+    assert len(sigmoids) == 1 and sigmoids[0].startswith("sigmoid A=0.60"), drawn
+    assert len(slopes) == 1, drawn

@@ -1,9 +1,12 @@
 """A GPU engine's SGLang arguments for Llama-4 (issue 39.2 and 39.3), built on CPU for a CUDA
 device, the GPU's compute capability given (what NVML reports on the engine's node).
 
-2. Chunked attention: only a backend that honours Llama-4's chunk serves it (fa3, Hopper); a
-   backend that ignores it is refused, and so is a Blackwell node (no such backend there in
-   SGLang 0.5.23), with the fix named. The rule's premises are read from SGLang's installed source.
+2. Chunked attention: only a backend that honours Llama-4's chunk serves it (fa3, Hopper's
+   default; torch_native, patched by megatron_rl, on any GPU when asked for, with one KV pool); a
+   backend that ignores it is refused, and so is a Blackwell node with no backend set (SGLang
+   0.5.23 has no fast one there), with both fixes named. Every engine process applies the
+   torch_native patch, GPU ones too, and the patch lets torch_native through SGLang's Llama-4
+   backend check. The rule's premises are read from SGLang's installed source.
 3. Colocated Llama-4: the weights region is backed up to host memory across a release, since the
    q/k norm's weight is neither a parameter nor a buffer. SGLang's own parser takes the arguments.
 """
@@ -61,15 +64,143 @@ def test_llama4_on_hopper_gets_fa3(tmp_path, monkeypatch):
         == "fa3"
 
 
-@pytest.mark.parametrize("backend", ["triton", "trtllm_mha", "flashinfer", "torch_native"])
+@pytest.mark.parametrize("backend", ["triton", "trtllm_mha", "flashinfer", "fa4"])
 def test_a_backend_that_ignores_the_chunk_is_refused(tmp_path, monkeypatch, backend):
-    with pytest.raises(ValueError, match="ignores the model's chunked attention.*fa3"):
+    with pytest.raises(ValueError,
+                       match="ignores the model's chunked attention.*fa3.*torch_native"):
         _args(monkeypatch, _model(tmp_path), HOPPER, attention_backend=backend)
 
 
-def test_blackwell_refuses_llama4_naming_the_fix(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match=r"compute capability 10\.0.*Hopper"):
-        _args(monkeypatch, _model(tmp_path), BLACKWELL)
+def test_blackwell_refuses_llama4_naming_both_fixes(tmp_path, monkeypatch):
+    """No backend set on SM100: refused (never a silent fall-back to the slow backend), naming
+    Hopper engines with fa3 and torch_native with its cost; fa3 asked for there is refused too."""
+    for requested in (None, "fa3"):
+        with pytest.raises(ValueError, match=r"compute capability 10\.0.*Hopper.*fa3.*"
+                                             r"attention_backend: torch_native.*slower"):
+            _args(monkeypatch, _model(tmp_path), BLACKWELL, attention_backend=requested)
+
+
+@pytest.mark.parametrize("capability", [HOPPER, BLACKWELL], ids=["hopper", "blackwell"])
+def test_torch_native_serves_llama4_on_any_gpu_with_one_kv_pool(tmp_path, monkeypatch,
+                                                                capability):
+    """Issue 39.2 on SM100: torch_native honours the chunk once patched, which needs one KV pool
+    for all layers (it reads the sliding-window pool with full-pool indices otherwise)."""
+    args = _args(monkeypatch, _model(tmp_path), capability, attention_backend="torch_native")
+    parsed = _parsed(args)
+    assert (parsed["attention_backend"], parsed["disable_hybrid_swa_memory"]) == (
+        "torch_native", True)
+    assert parsed["device"] == "cuda" and not parsed["disable_cuda_graph"]  # SGLang's own call
+    # fa3 keeps the hybrid pool (it implements the chunk itself), and so does a dense model.
+    assert "--disable-hybrid-swa-memory" not in _args(monkeypatch, _model(tmp_path), HOPPER)
+    dense = _model(tmp_path, architecture="LlamaForCausalLM")
+    assert "--disable-hybrid-swa-memory" not in _args(monkeypatch, dense, capability,
+                                                      attention_backend="torch_native")
+
+
+def test_every_engine_process_applies_the_torch_native_patch(monkeypatch):
+    """The launcher's module body (run in each SGLang server process, GPU ones included: no CUDA
+    condition around it) applies the shared patch, which hooks torch_native's backend and
+    SGLang's resolution-hook registry whatever the device."""
+    import ast
+    import torch
+
+    from megatron_rl.platform import sglang_chunked_attention, sglang_cpu
+
+    # Read, not imported: its body would set this process's environment and CPU stand-ins.
+    launcher = importlib.util.find_spec("megatron_rl.rollout.sglang_launch").origin
+    body = ast.parse(Path(launcher).read_text()).body
+    calls = [n.value.func.id for n in body if isinstance(n, ast.Expr)
+             and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Name)]
+    assert "apply_chunked_attention_fix" in calls
+
+    hooked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sglang_chunked_attention, "_applied", False)
+    monkeypatch.setattr(sglang_cpu, "_patch_on_import",
+                        lambda target, patch: hooked.append((target, patch)))
+    sglang_chunked_attention.apply_chunked_attention_fix()
+    sglang_chunked_attention.apply_chunked_attention_fix()  # idempotent: patched once
+    assert hooked == [
+        ("sglang.srt.layers.attention.torch_native_backend",
+         sglang_chunked_attention.patch_torch_native_chunked_attention),
+        ("sglang.srt.arg_groups.resolution_hooks", sglang_chunked_attention._register_admission)]
+
+
+def test_chunk_masks_with_tensor_lengths_on_the_querys_device():
+    """On GPU torch_native passes lengths as 0-dim tensors (`seq_lens[i]`) and the query's device;
+    the chunk mask equals a brute-force chunk-block reference for prefill and decode."""
+    import torch
+
+    from megatron_rl.platform.sglang_chunked_attention import _chunked_causal_mask
+
+    def reference(q_len, kv_len, chunk, offset):
+        return [[int(k <= q and k // chunk == q // chunk) for k in range(kv_len)]
+                for q in range(offset, offset + q_len)]
+
+    for q_len, kv_len, chunk, offset in ((7, 7, 3, 0), (1, 10, 4, 9), (1, 9, 4, 8), (3, 12, 5, 9)):
+        mask = _chunked_causal_mask(q_len=torch.tensor(q_len), kv_len=torch.tensor(kv_len),
+                                    sliding_window_size=chunk, device=torch.device("cpu"),
+                                    query_offset=torch.tensor(offset))
+        assert mask.dtype == torch.bool and mask.device.type == "cpu"
+        assert mask.int().tolist() == reference(q_len, kv_len, chunk, offset)
+
+
+def _llama4_config(monkeypatch, architecture="Llama4ForConditionalGeneration", chunk=8192):
+    import types
+
+    from sglang.srt.arg_groups import model_override_base
+
+    config = types.SimpleNamespace(hf_config=types.SimpleNamespace(architectures=[architecture]),
+                                   attention_chunk_size=chunk)
+    monkeypatch.setattr(model_override_base, "model_config_of", lambda server_args: config)
+
+
+def _llama4_backend_check(server_args):
+    """The Llama-4 branch of SGLang 0.5.23's handle_model_specific_adjustments (its list is
+    checked against the source in test_the_rules_premises_in_sglangs_source)."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    backend = resolved_view(server_args).attention_backend
+    assert backend in {"fa3", "aiter", "triton", "ascend", "trtllm_mha", "intel_xpu"}, backend
+    server_args.seen = backend
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_patch_lets_torch_native_through_sglangs_llama4_check(monkeypatch, device):
+    import types
+
+    from megatron_rl.platform.sglang_chunked_attention import _admit_torch_native
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+
+    _llama4_config(monkeypatch)
+    earlier = ("earlier step", {"cuda_graph_max_bs": 8})
+    record = types.SimpleNamespace(attention_backend="torch_native", device=device,
+                                   _resolved_overrides=[earlier])
+    if device == "cpu":  # SGLang runs no such check on CPU: the step is left alone
+        with pytest.raises(AssertionError, match="torch_native"):
+            _admit_torch_native(record, _llama4_backend_check)
+        return
+    with pytest.raises(AssertionError, match="torch_native"):
+        _llama4_backend_check(record)  # SGLang's own check refuses it
+    _admit_torch_native(record, _llama4_backend_check)
+    assert record.seen == "triton"  # the check saw a listed backend ...
+    assert record._resolved_overrides == [earlier]  # ... and nothing of it stays
+    assert resolved_view(record).attention_backend == "torch_native"
+
+
+def test_the_admission_leaves_other_models_and_backends_alone(monkeypatch):
+    import types
+
+    from megatron_rl.platform.sglang_chunked_attention import _admit_torch_native
+
+    for architecture, chunk, backend in (("Llama4ForConditionalGeneration", None, "torch_native"),
+                                         ("LlamaForCausalLM", 8192, "torch_native"),
+                                         ("Llama4ForConditionalGeneration", 8192, "flashinfer")):
+        _llama4_config(monkeypatch, architecture, chunk)
+        record = types.SimpleNamespace(attention_backend=backend, device="cuda",
+                                       _resolved_overrides=[])
+        with pytest.raises(AssertionError, match=backend):
+            _admit_torch_native(record, _llama4_backend_check)
 
 
 def test_models_without_chunked_attention_keep_sglangs_choice(tmp_path, monkeypatch):
@@ -98,6 +229,23 @@ def test_the_rules_premises_in_sglangs_source():
     llama4 = hook.split('model_arch in ("Llama4ForConditionalGeneration", "Llama4ForCausalLM")')[1]
     allowed = llama4.split("assert attention_backend in {")[1].split("}")[0]
     assert '"fa3"' in allowed and '"fa4"' not in allowed
+    # The list _llama4_backend_check copies (torch_native not in it: the admission is needed), in
+    # a step megatron_rl may wrap through SGLang's registry; nothing else there reads the backend
+    # for Llama-4; SGLang turns CUDA graphs off for torch_native itself, in a later step.
+    assert sorted(a.strip().strip('"') for a in allowed.split(",") if a.strip()) == sorted(
+        ["fa3", "aiter", "triton", "ascend", "trtllm_mha", "intel_xpu"])
+    branch = llama4.split("\n    elif ")[0]
+    assert [line.strip()[:40] for line in branch.splitlines() if "attention_backend" in line] == [
+        "attention_backend = resolved_view(server", "assert attention_backend in {",
+        'f"fa3, aiter, triton, ascend, trtllm_mha']  # the read, the check, its message
+    from sglang.srt.arg_groups.resolution_hooks import _OVERRIDABLE_HOOKS
+
+    assert "handle_model_specific_adjustments" in _OVERRIDABLE_HOOKS
+    compat = (SGLANG / "arg_groups" / "attention_hook.py").read_text()
+    assert 'if attention_backend == "torch_native":' in compat
+    assert "Cuda graph is disabled because of using torch native attention backend" in compat
+    native = (attention / "torch_native_backend.py").read_text()
+    assert "device=per_req_query.device" in native and "use_irope" not in native
 
 
 def test_colocated_llama4_backs_its_weights_up_across_a_release(tmp_path, monkeypatch):
