@@ -99,15 +99,20 @@ class SimulatedStepMetrics:
 class SimulatedBackend:
     """cluster/backend.py's ClusterBackend for the simulated cluster. After the run,
     `cluster` is the SimulatedCluster it started (its engines' statistics, the trainer's
-    modelled time)."""
+    modelled time). `on_start(cluster)` runs once it is up, before the driver uses it (tests
+    and fault scripts: slow engines down, schedule a node loss)."""
 
-    def __init__(self, settings: SimulationSettings = SimulationSettings()):
+    def __init__(self, settings: SimulationSettings = SimulationSettings(), *,
+                 on_start: Callable[["SimulatedCluster"], None] | None = None):
         self.settings = settings
+        self.on_start = on_start
         self.cluster: SimulatedCluster | None = None
 
     def start(self, cfg: RunConfig, out: Path, stack: contextlib.ExitStack, *,
               start_checkpoint: Callable[[str], str]) -> "SimulatedCluster":
         self.cluster = SimulatedCluster.start(cfg, out, stack, self.settings)
+        if self.on_start is not None:
+            self.on_start(self.cluster)
         return self.cluster
 
 
