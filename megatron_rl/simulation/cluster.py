@@ -438,6 +438,7 @@ class SimulatedTrainerGroup:
         self._generators: list = []
         self._stopped = False
         self.modelled_s = {"train": 0.0, "weight_push": 0.0, "checkpoint": 0.0}
+        self.pushed: dict[str, int] = {}  # engine URL -> the last version it confirmed
 
     @property
     def world_size(self) -> int:
@@ -567,6 +568,7 @@ class SimulatedTrainerGroup:
             return started, paused, loading, loaded, done
 
         started, paused, loading, loaded, done = self.cluster.loop.call(push())
+        self.pushed.update({url: version for url in urls})  # every call above succeeded
         self.modelled_s["weight_push"] += (done - started) * self.cluster.clock.time_scale
         return SyncReport(version=version, num_bytes=num_bytes, num_tensors=1, num_buckets=1,
                           seconds=done - started, gather_s=0.0, convert_s=0.0,

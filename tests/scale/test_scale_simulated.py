@@ -9,6 +9,7 @@ durations; everything above the seam is the code `megatron-rl train` runs.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -29,25 +30,39 @@ PROMPTS_PER_STEP, SAMPLES, K = 64, 16, 6
 
 
 def hold_until_full(cluster, *, deadline_s: float = 600.0) -> threading.Thread:
-    """Run each engine 10^4 times slower until it runs max_running_requests requests, then at
-    its normal speed. Without it the test would hang on wall time: one process
-    sends the 7168 requests over tens of seconds (more on a busy machine), and an engine at a
-    small batch finishes its first requests before its last arrive. With it, the engine still
-    admits every arrival at once (its scheduler wakes at the current step), so reaching the
-    limit shows only that the control plane delivered more than max_running_requests to it."""
+    """Pause every engine (SGLang's /pause_generation: arrivals queue, nothing is admitted)
+    until all of its 112 thinking requests have arrived, then continue it
+    (/continue_generation): it admits max_running_requests of them at once. Without the hold
+    the test would depend on wall time: one process sends the 7168 requests over tens of
+    seconds (more on a busy machine), and an engine at a small batch finishes its first
+    requests before its last arrive. Reaching the limit still shows only what the control plane
+    delivered: more than max_running_requests requests in flight to every engine at once."""
+    import aiohttp
+
     engines = cluster.generators.engines
-    cluster.loop.run(lambda: [engine.slow_down(1e4) for engine in engines])
+    per_engine = (K + 1) * SAMPLES
+
+    async def post(index, path, body):
+        async with aiohttp.ClientSession(headers={
+                "Authorization": f"Bearer {cluster.api_key}"}) as session:
+            async with session.post(f"{engines[index].url}{path}", json=body) as response:
+                assert response.status == 200, await response.text()
+
+    async def everywhere(indices, path, body):
+        await asyncio.gather(*(post(i, path, body) for i in indices))
+
+    cluster.loop.call(everywhere(range(len(engines)), "/pause_generation", {"mode": "in_place"}))
 
     def watch():
         end = time.monotonic() + deadline_s
         waiting = set(range(len(engines)))
         while waiting and time.monotonic() < end:
-            full = {i for i in waiting if engines[i].num_running >= MAX_RUNNING}
+            full = {i for i in waiting if engines[i].num_queued >= per_engine}
             if full:
-                cluster.loop.run(lambda: [engines[i].slow_down(1.0) for i in full])
+                cluster.loop.call(everywhere(full, "/continue_generation", {}))
                 waiting -= full
             time.sleep(0.2)
-        cluster.loop.run(lambda: [engines[i].slow_down(1.0) for i in waiting])
+        cluster.loop.call(everywhere(waiting, "/continue_generation", {}))
 
     watcher = threading.Thread(target=watch, name="hold-until-full", daemon=True)
     watcher.start()
@@ -93,7 +108,7 @@ def test_64_engines_each_reach_max_running_requests_under_the_scout_recipe(tmp_p
     admitted = [len(set(engine.stats.admission_order)) for engine in cluster.generators.engines]
     assert min(admitted) >= (K + 1) * SAMPLES, admitted
     # Version 1 reached every engine (the push over their HTTP API, in flight).
-    assert {engine.weight_version for engine in cluster.generators.engines} == {1}
+    assert cluster.trainers.pushed == {e.url: 1 for e in cluster.generators.engines}
     records = read_jsonl(tmp_path / "run" / "ledger.jsonl")
     assert check_ledger(records) == {"lost": [], "duplicated": []}
     [step] = [r for r in records if "step" in r]
