@@ -190,7 +190,7 @@ def main(argv: Sequence[str]) -> int:
     from megatron_rl.config import ConfigError, load_config
     from megatron_rl.simulation.cluster import SimulatedBackend, SimulationSettings
 
-    args = build_parser().parse_args(list(argv))
+    args = build_parser().parse_intermixed_args(list(argv))
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.num_steps={args.steps}")
