@@ -89,7 +89,8 @@ def test_64_engines_each_reach_max_running_requests_under_the_scout_recipe(tmp_p
         # Token budgets in units of the granularity below (64 model tokens each).
         "rollout.max_prompt_tokens=256", "rollout.thinking_budget=24",
         "rollout.thinking_budget_min=16", "rollout.solution_budget=40",
-        "train.micro_batch_max_tokens=512", "eval.interval_steps=0", "eval.at_step_zero=false", "eval.num_heldout_prompts=8",
+        "train.micro_batch_max_tokens=512", "eval.interval_steps=0", "eval.at_step_zero=false",
+        "eval.num_heldout_prompts=8",
         "algorithm.zero_variance_filter=false", "logging.progress_bar=false",
         "rollout.no_progress_timeout_s=900"])  # held engines answer nothing meanwhile
     backend = SimulatedBackend(SimulationSettings(
