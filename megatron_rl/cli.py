@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("megatron_rl.scaling.plan", "per-device memory of a recipe's trainer and generators"),
     "convert": ("megatron_rl.convert", "convert checkpoints between HF and Megatron"),
     "sft": ("megatron_rl.sft", "supervised cold start: cross-entropy on prompt + response pairs"),
+    "simulate": ("megatron_rl.simulation.simulate",
+                 "run a recipe's real control plane against simulated engines and trainer"),
 }
 # Subcommands that load torch / Megatron / transformers: they print the one-line environment
 # summary (megatron_rl.console); the light ones stay light.

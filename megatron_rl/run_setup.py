@@ -32,8 +32,13 @@ from megatron_rl.resilience.run_checkpoints import (put_back_files, read_run_sta
 
 
 class RunSetup:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, backend=None):
+        from megatron_rl.cluster.backend import RayBackend
+
         self.cfg = cfg
+        # What the cluster runs on (cluster/backend.py): the real one unless `megatron-rl
+        # simulate` or a scale test hands in the simulated one; nothing below asks which.
+        self.backend = backend if backend is not None else RayBackend()
         self.step = self.version = 0  # optimizer steps done; the generators' policy version
         self._stack = contextlib.ExitStack()
         self._initial: tuple[dict, dict[str, bytes]] | None = None  # restore point, step 0
@@ -42,8 +47,8 @@ class RunSetup:
     # ------------------------------------------------------------------ start / stop
 
     @classmethod
-    def start(cls, cfg: RunConfig) -> "RunSetup":
-        run = cls(cfg)
+    def start(cls, cfg: RunConfig, backend=None) -> "RunSetup":
+        run = cls(cfg, backend)
         try:
             run._start()
         except Exception as failure:
@@ -85,7 +90,6 @@ class RunSetup:
     def _start(self) -> None:
         from transformers import AutoTokenizer
 
-        from megatron_rl.cluster.launch import RunCluster
         from megatron_rl.metrics import RunMetrics
 
         cfg = self.cfg
@@ -105,8 +109,8 @@ class RunSetup:
         if resume is not None:
             start_branch(cfg, self.checkpoint_root, state["step"])
             put_back_files(self.out, restored_files(resume))
-        self.cluster = RunCluster.start(cfg, self.out, self._stack,
-                                        start_checkpoint=self._start_checkpoint)
+        self.cluster = self.backend.start(cfg, self.out, self._stack,
+                                          start_checkpoint=self._start_checkpoint)
         self.clients: list = []  # one HTTP client per engine, shared by the rooms below
         self.metrics = RunMetrics(cfg, self.out, clients=self.clients,
                                   num_devices=self.cluster.num_devices)

@@ -18,12 +18,13 @@ from megatron_rl.console import notice
 from megatron_rl.resilience.stop import RUN_STOP, GracefulStop, StopRequested, step_under_way
 
 
-def train(cfg: RunConfig) -> int:
-    """The run; returns the exit status (0, or 128 + the signal after a graceful stop)."""
+def train(cfg: RunConfig, backend=None) -> int:
+    """The run; returns the exit status (0, or 128 + the signal after a graceful stop).
+    `backend`: what the cluster runs on (cluster/backend.py; default the real one)."""
     from megatron_rl.run_setup import RunSetup
 
     with GracefulStop(grace_s=cfg.train.graceful_stop_timeout_s) as stop, \
-            RunSetup.start(cfg) as run:
+            RunSetup.start(cfg, backend) as run:
         stop.install()  # again: starting Ray replaced the SIGTERM handler
         trainer_idle = True  # false once a stop left a trainer call or a step half done
         try:

@@ -30,11 +30,12 @@ node_loss=tests/e2e/test_fault_tolerance.py::test_node_loss_generator_node_leave
 demo=tests/e2e/test_demo.py
 sweep=tests/e2e/test_sweep.py
 long_generation=tests/e2e/test_long_generation.py
+scale=tests/scale  # the real control plane on the simulated cluster (~35 s, one process)
 streams=("tests/e2e --ignore=$colocated --ignore=$demo --ignore=$sweep --ignore=$long_generation --deselect=$node_loss"
          "$node_loss $demo"
          "tests/integration ${tp_ep[*]/#/--ignore=} --ignore=$tp_ep2_moe --ignore=$lifetime --ignore=$image"
          "tests/unit tests/dist ${tp_ep[*]} $colocated"
-         "$image $sweep $long_generation $tp_ep2_moe $lifetime")
+         "$image $sweep $long_generation $tp_ep2_moe $lifetime $scale")
 pids=()
 for i in "${!streams[@]}"; do
     # -p no:cacheprovider: the streams would all write .pytest_cache.

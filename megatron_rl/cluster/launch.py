@@ -139,6 +139,13 @@ class RunCluster:
                "trainer ranks build)")
         return cluster
 
+    def lost_nodes(self, node_ids, *, within_s: float = 0.0) -> dict[str, str]:
+        """{node id: address} of the nodes in `node_ids` Ray declares dead (resilience/ asks
+        the cluster it holds, not Ray: cluster/backend.py)."""
+        from megatron_rl.cluster import runtime
+
+        return runtime.lost_nodes(node_ids, within_s=within_s)
+
     def write_processes(self, out: Path) -> None:
         """output_dir/processes.json: which process is which (for operators and chaos tests);
         the generators serving now (not those waiting to be placed again)."""

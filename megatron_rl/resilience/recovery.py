@@ -202,11 +202,10 @@ class GeneratorHealth:
     def _check_nodes(self) -> None:
         """Ray's node state: the generators of a lost node are taken out of the rotation (their
         groups re-queued), then NodeLost for a lost node of a trainer rank or the driver (the
-        message names the engines it also held)."""
-        from megatron_rl.cluster.runtime import lost_nodes
-
+        message names the engines it also held). The node table is the cluster's
+        (`RunClusterInterface.lost_nodes`, cluster/backend.py): Ray's, or the simulated one."""
         serving = self.generators.serving()
-        lost = lost_nodes(e.node_id for e in serving.values())
+        lost = self.cluster.lost_nodes(e.node_id for e in serving.values())
         for index, endpoint in serving.items():
             if endpoint.node_id in lost:
                 self._lost[index] = (f"its node {lost[endpoint.node_id]} (Ray node id "

@@ -9,6 +9,9 @@ plane (the async client, the rollout manager, the driver) runs at production sca
 - engine.py: the simulated SGLang server (HTTP API, continuous batching, KV retraction,
   priority queue, per-token versions, faults) and a fleet of them in one process;
 - trainer.py: the trainer group's score / train step / checkpoint / weight-push times.
+- cluster.py: the simulated cluster behind cluster/backend.py's seam (generator pool over
+  simulated engines, trainer group sleeping TrainerTiming's durations);
+- simulate.py: `megatron-rl simulate RECIPE.yaml`, the real driver on the simulated cluster.
 docs/simulation.md says what is modelled, what is not, and what is still to be built.
 """
 from megatron_rl.simulation.clock import SimClock

@@ -411,7 +411,7 @@ def test_a_graceful_stop_checkpoints_only_a_whole_step(monkeypatch, capsys, stop
     from megatron_rl.train import train
 
     run = StoppingRun(stop_in, abandon)
-    monkeypatch.setattr(RunSetup, "start", classmethod(lambda cls, cfg: run))
+    monkeypatch.setattr(RunSetup, "start", classmethod(lambda cls, cfg, backend=None: run))
     cfg = load_config("examples/configs/tiny_pipeline.yaml", [
         "train.num_steps=5", "eval.at_step_zero=false", "eval.interval_steps=0",
         "checkpoint.interval_steps=0"])

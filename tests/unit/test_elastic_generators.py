@@ -122,8 +122,7 @@ def _health(tmp_path, loop, monkeypatch, lost, *overrides):
     cluster = type("Cluster", (), {})()
     cluster.generators, cluster.trainers, cluster.model_dir = pool, Trainers(), "/model"
     cluster.stop_if_trainer_node_lost = lambda cfg: None
-    monkeypatch.setattr("megatron_rl.cluster.runtime.lost_nodes",
-                        lambda ids: {i: "10.0.0.9" for i in ids if i in lost})
+    cluster.lost_nodes = lambda ids: {i: "10.0.0.9" for i in ids if i in lost}
     manager = Manager(2)
     health = GeneratorHealth(cfg, tmp_path, cluster=cluster, loop=loop, manager=manager,
                              clients=[Client("http://a:1"), Client("http://b:1")],

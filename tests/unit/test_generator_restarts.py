@@ -226,7 +226,6 @@ def _run(tmp_path, loop, monkeypatch, num, *overrides, durations=None):
     monkeypatch.setattr(generators_module, "kill_process_group", lambda *a, **k: None)
     monkeypatch.setattr(generators_module, "time", world.clock)
     monkeypatch.setattr(recovery_module, "time", world.clock)
-    monkeypatch.setattr("megatron_rl.cluster.runtime.lost_nodes", lambda ids: {})
     cfg = load_config("examples/configs/tiny_pipeline.yaml", [
         f"output_dir={tmp_path}", f"rollout.num_generators={num}",
         "rollout.engine_start_timeout_s=900", "rollout.health_check_interval_s=30", *overrides])
@@ -242,7 +241,8 @@ def _run(tmp_path, loop, monkeypatch, num, *overrides, durations=None):
         pool._endpoints[i] = handle.actor.wait_until_healthy()
     pool.connected = set(names)
     cluster = types.SimpleNamespace(generators=pool, trainers=Trainers(), model_dir="/model",
-                                    stop_if_trainer_node_lost=lambda cfg: None)
+                                    stop_if_trainer_node_lost=lambda cfg: None,
+                                    lost_nodes=lambda ids: {})  # no node is lost
     manager = Manager(num)
     health = GeneratorHealth(cfg, tmp_path, cluster=cluster, loop=loop, manager=manager,
                              clients=[Client(e.url) for e in pool.endpoints],

@@ -281,8 +281,6 @@ def test_the_sync_wait_for_an_engine_stops_at_once_when_the_trainer_node_is_lost
     cfg = _cfg(tmp_path, "rollout.num_generators=2", "rollout.min_generators=1",
                "rollout.engine_start_timeout_s=20")
     lost = {"node-a", "node-b"}
-    monkeypatch.setattr("megatron_rl.cluster.runtime.lost_nodes",
-                        lambda ids, within_s=0.0: {i: "10.0.0.9" for i in ids if i in lost})
     trainer_lost, syncing = [], []
 
     def stop_if_trainer_node_lost(cfg):
@@ -295,6 +293,7 @@ def test_the_sync_wait_for_an_engine_stops_at_once_when_the_trainer_node_is_lost
     cluster = type("Cluster", (), {})()
     cluster.generators, cluster.model_dir = pool, "/model"
     cluster.stop_if_trainer_node_lost = stop_if_trainer_node_lost
+    cluster.lost_nodes = lambda ids, within_s=0.0: {i: "10.0.0.9" for i in ids if i in lost}
     loop = RolloutLoop()
     try:
         health = GeneratorHealth(cfg, tmp_path, cluster=cluster, loop=loop,

@@ -1,0 +1,580 @@
+"""The simulated cluster behind the seam of cluster/backend.py: `SimulatedBackend.start` returns
+a `SimulatedCluster` with the interface of cluster/launch.py's RunCluster, whose generator pool
+serves simulated SGLang engines (engine.py, on their own event-loop thread) and whose trainer
+group sleeps the durations of trainer.py's TrainerTiming on the run's SimClock. The driver, the
+rollout manager, the async client, GeneratorHealth and validation run unchanged against it;
+only `megatron-rl simulate` and the scale tests choose it.
+
+- `SimulatedGeneratorPool`: GeneratorPool's methods (serving, endpoints, restart, replace,
+  poll_replacements, unhealthy, check_health, shutdown; `connected`). A restart starts a fresh
+  engine (version 0, a new port) without waiting; `poll_replacements` reports it. A lost node's
+  engines are re-created on a spare node at once (Ray would place them on another node with
+  room; waiting for the lost node to come back is not modelled).
+- `SimulatedTrainerGroup`: TrainerGroup's methods. `train_step` sleeps TrainerTiming's step time
+  for the batch's tokens (x token_granularity) and returns StepMetrics' fields with plausible
+  values (no model: loss 0, ratio 1, mismatch 0, entropy the engines' mean -log-prob);
+  `sync_weights` pauses the connected engines (weight_sync.pause_mode), loads one bucket of the
+  generator weights' bytes into each over the timed `/update_weights_from_distributed` call,
+  labels the version and continues them, all over HTTP as the real WeightSync does;
+  `save_checkpoint` writes a small JSON state (the run checkpoint's own files are written by the
+  real code path, resilience/run_checkpoints.py) and takes TrainerTiming's checkpoint time.
+- Rewards are the recipe's real verifiers on the decoded simulated token ids, which never pass:
+  every reward is 0 and every group has zero variance (the zero-variance filter drops them and
+  the trainer step is skipped unless `algorithm.zero_variance_filter=false`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from megatron_rl.config import RunConfig
+from megatron_rl.scaling.cost import CostConfig
+from megatron_rl.simulation.clock import SimClock
+from megatron_rl.simulation.profiles import get_profile
+from megatron_rl.simulation.timing import EngineTiming
+from megatron_rl.simulation.trainer import TrainerTiming
+
+
+@dataclasses.dataclass(kw_only=True)
+class SimulationSettings:
+    """What the simulated cluster models; the recipe gives the rest (engines, trainer ranks,
+    pause mode, token budgets)."""
+
+    hardware: str = "GB200"
+    time_scale: float = 100.0  # model seconds per wall second (SimClock)
+    # The model's shape and efficiency knobs for the timing; None: from the recipe's model
+    # family (the mapping `megatron-rl plan` uses, which imports megatron.core).
+    model: CostConfig | None = None
+    max_running_requests: int | None = None  # per engine; None: model.max_running_requests
+    token_granularity: int = 1  # model tokens per returned token (engine.py EngineSettings)
+    median_tokens: float | None = None  # completion lengths; None: half the thinking budget
+    sigma: float = 1.0
+    devices_per_engine: int = 0  # 0: rollout.tp_size
+    engines_per_node: int = 0  # 0: the profile's GPUs per node / devices per engine (>= 1)
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SimulatedLayout:
+    """ClusterLayout's fields the driver reads."""
+
+    num_trainer_ranks: int
+    num_generators: int
+    devices_per_generator: int
+    colocated: bool = False
+    device: str = "gpu"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SimulatedStepMetrics:
+    """trainer/trainer.py StepMetrics' fields (that module imports Megatron; this one does
+    not), as metrics.py reads them."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    clip_fraction: float
+    mean_ratio: float
+    logp_mismatch: float
+    logp_mismatch_max: float
+    entropy: float
+    num_loss_tokens: int
+    num_tokens: int
+    num_micro_batches: int
+    learning_rate: float
+    skipped: bool
+    num_skipped_steps: int
+    routing_flip_fraction: float = math.nan
+    logp_mismatch_without_replay: float = math.nan
+    offloaded_bytes: int = 0
+
+
+class SimulatedBackend:
+    """cluster/backend.py's ClusterBackend for the simulated cluster. After the run,
+    `cluster` is the SimulatedCluster it started (its engines' statistics, the trainer's
+    modelled time). `on_start(cluster)` runs once it is up, before the driver uses it (tests
+    and fault scripts: slow engines down, schedule a node loss)."""
+
+    def __init__(self, settings: SimulationSettings = SimulationSettings(), *,
+                 on_start: Callable[["SimulatedCluster"], None] | None = None):
+        self.settings = settings
+        self.on_start = on_start
+        self.cluster: SimulatedCluster | None = None
+
+    def start(self, cfg: RunConfig, out: Path, stack: contextlib.ExitStack, *,
+              start_checkpoint: Callable[[str], str]) -> "SimulatedCluster":
+        self.cluster = SimulatedCluster.start(cfg, out, stack, self.settings)
+        if self.on_start is not None:
+            self.on_start(self.cluster)
+        return self.cluster
+
+
+def model_of(cfg: RunConfig, settings: SimulationSettings) -> CostConfig:
+    """The CostConfig the timing uses: settings.model on the chosen hardware, or the recipe's
+    model family through `megatron-rl plan`'s mapping."""
+    profile = get_profile(settings.hardware)
+    if settings.model is not None:
+        return profile.cost_config(settings.model)
+    from megatron_rl.scaling.plan import Architecture, cost_config_from_run
+
+    arch = Architecture.from_family(cfg.model.name, cfg.model.size)
+    hardware = settings.hardware if settings.hardware != "cpu" else "H100"
+    return profile.cost_config(cost_config_from_run(
+        cfg, hardware=hardware, architecture=arch,
+        decode_batch=settings.max_running_requests or 256))
+
+
+def _node_id(node: int) -> str:
+    return f"simulated-node-{node:04d}"
+
+
+def _node_ip(node: int) -> str:
+    return f"10.{node // 256}.{node % 256}.1"
+
+
+class SimulatedCluster:
+    """RunCluster's interface (cluster/backend.py RunClusterInterface) over simulated engines
+    and a simulated trainer group, all in this process."""
+
+    def __init__(self, cfg: RunConfig, settings: SimulationSettings, loop, clock: SimClock,
+                 model: CostConfig, api_key: str):
+        from megatron_rl.simulation.engine import CompletionLengths, EngineSettings
+
+        self.cfg, self.settings, self.loop, self.clock = cfg, settings, loop, clock
+        self.profile = get_profile(settings.hardware)
+        rollout = cfg.rollout
+        devices = settings.devices_per_engine or rollout.tp_size
+        self.layout = SimulatedLayout(num_trainer_ranks=cfg.parallelism.world_size,
+                                      num_generators=rollout.num_generators,
+                                      devices_per_generator=devices)
+        total = self.layout.num_trainer_ranks + self.layout.num_generators * devices
+        over_nvlink = total <= self.profile.nvlink_domain  # one NVLink domain (NVL72 rack)
+        self.engine_timing = EngineTiming(model=model, profile=self.profile,
+                                          devices_per_engine=devices,
+                                          weights_over_nvlink=over_nvlink)
+        self.trainer_timing = TrainerTiming(model=model, profile=self.profile,
+                                            num_devices=self.layout.num_trainer_ranks,
+                                            weights_over_nvlink=over_nvlink)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_checkpoint)
+        g = settings.token_granularity
+        median = settings.median_tokens or max(1.0, 0.5 * (rollout.thinking_budget
+                                                           or rollout.max_response_tokens))
+        self.engine_settings = EngineSettings(
+            max_running_requests=settings.max_running_requests or model.max_running_requests,
+            max_total_tokens=rollout.max_total_tokens,
+            enable_priority_scheduling=rollout.continuations_first, tp_size=devices,
+            api_key=api_key, random_seed=cfg.seed + settings.seed,
+            vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+            lengths=CompletionLengths(median_tokens=median, sigma=settings.sigma),
+            token_granularity=g)
+        self.engines_per_node = settings.engines_per_node or max(
+            1, self.profile.devices_per_node // devices)
+        self.model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
+        self.routing_replay = False  # simulated engines return no routed experts
+        self.num_devices = total
+        self.api_key = api_key
+        self._lost: dict[str, str] = {}  # node id -> address, of the nodes lost
+        self.generators: SimulatedGeneratorPool | None = None
+        self.trainers: SimulatedTrainerGroup | None = None
+
+    @classmethod
+    def start(cls, cfg: RunConfig, out: Path, stack: contextlib.ExitStack,
+              settings: SimulationSettings) -> "SimulatedCluster":
+        import secrets
+
+        from megatron_rl.console import notice
+        from megatron_rl.rollout.event_loop import RolloutLoop
+
+        if cfg.cluster.colocated:
+            from megatron_rl.config import ConfigError
+
+            raise ConfigError("cluster.colocated: the simulator models separate generator and "
+                              "trainer devices only; simulate with cluster.colocated=false")
+        model = model_of(cfg, settings)
+        loop = RolloutLoop(name="simulated-engines")
+        stack.callback(loop.stop)
+        cluster = cls(cfg, settings, loop, SimClock(settings.time_scale), model,
+                      secrets.token_urlsafe(16))
+        cluster.generators = SimulatedGeneratorPool(cluster)
+        stack.callback(cluster.generators.shutdown)
+        cluster.generators.start()
+        cluster.trainers = SimulatedTrainerGroup(cluster)
+        cluster.trainers.connect_generators(cluster.generators.endpoints,
+                                            hf_config_dir=cluster.model_dir)
+        cluster.generators.connected = {e.name for e in cluster.generators.endpoints}
+        cluster.write_processes(out)
+        e = cluster.engine_settings
+        notice(f"simulated cluster: {cfg.rollout.num_generators} engines of "
+               f"{cluster.layout.devices_per_generator} {cluster.profile.name} "
+               f"(max_running_requests {e.max_running_requests}, KV "
+               f"{cluster.engine_timing.kv_capacity_tokens} tokens, token granularity "
+               f"{e.token_granularity}), {cluster.layout.num_trainer_ranks} trainer devices, "
+               f"time scale {settings.time_scale:g}")
+        return cluster
+
+    # ------------------------------------------------------------------ RunCluster's interface
+
+    def lost_nodes(self, node_ids: Iterable[str], *, within_s: float = 0.0) -> dict[str, str]:
+        return {n: self._lost[n] for n in node_ids if n in self._lost}
+
+    def write_processes(self, out: Path) -> None:
+        info = {"driver": {"pid": os.getpid(), "node_id": "simulated-driver"},
+                "simulated": True,
+                "generators": [{"name": e.name, "url": e.url, "pid": e.pid, "node": e.node_ip,
+                                "node_id": e.node_id} for e in self.generators.endpoints],
+                "trainer_ranks": [{"rank": r, "pid": n.pid, "node": n.node_ip,
+                                   "node_id": n.node_id}
+                                  for r, n in enumerate(self.trainers.nodes)]}
+        tmp = out / "processes.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(out / "processes.json")
+
+    def restart_trainers(self, cfg: RunConfig) -> None:
+        self.trainers.shutdown()
+        self.stop_if_trainer_node_lost(cfg)
+        self.trainers = SimulatedTrainerGroup(self)
+        self.trainers.connect_generators(self.generators.endpoints,
+                                         hf_config_dir=self.model_dir)
+        self.generators.connected = {e.name for e in self.generators.endpoints}
+
+    def stop_if_trainer_node_lost(self, cfg: RunConfig) -> None:
+        from megatron_rl.resilience.recovery import NodeLost, node_lost_message
+
+        lost = self.lost_nodes(n.node_id for n in self.trainers.nodes)
+        if lost:
+            held = {node: [f"trainer rank {r}" for r, n in enumerate(self.trainers.nodes)
+                           if n.node_id == node] for node in lost}
+            raise NodeLost(node_lost_message(cfg, lost, held))
+
+    def stop_if_node_lost(self, cfg: RunConfig, failure: BaseException) -> None:
+        self.stop_if_trainer_node_lost(cfg)
+
+    # ------------------------------------------------------------------ faults
+
+    def lose_node(self, node_id: str) -> None:
+        """A node of the run is gone: its engines die; the cluster's node table says so."""
+        self._lost[node_id] = "simulated"
+        for engine in self.generators.engines:
+            if _node_id(engine.node) == node_id:
+                self.loop.call(engine.kill())
+
+    def engine_stats(self) -> dict[str, float]:
+        from megatron_rl.simulation.engine import sum_stats
+
+        return sum_stats(self.generators.engines + self.generators.retired)
+
+
+class SimulatedGeneratorPool:
+    """GeneratorPool's interface over simulated engines on the cluster's engine loop."""
+
+    def __init__(self, cluster: SimulatedCluster):
+        self.cluster, self.loop = cluster, cluster.loop
+        count = cluster.layout.num_generators
+        self.names = [f"generator-{i}" for i in range(count)]
+        self.engines = [self._new_engine(i, i // cluster.engines_per_node)
+                        for i in range(count)]
+        self.retired: list = []  # engines replaced by a restart (their statistics count)
+        self._endpoints: list = [None] * count
+        self._replacing: dict[int, object] = {}  # index -> concurrent Future of its restart
+        self._spare_node = (count - 1) // cluster.engines_per_node + 1
+        self.connected: set[str] = set()
+        self.call_timeout_s = cluster.cfg.rollout.health_check_timeout_s
+        self._stopped = False
+
+    def _new_engine(self, index: int, node: int):
+        from megatron_rl.simulation.engine import SimulatedEngine
+
+        settings = dataclasses.replace(self.cluster.engine_settings,
+                                       random_seed=self.cluster.engine_settings.random_seed
+                                       + 1000 * index + len(getattr(self, "retired", ())))
+        return SimulatedEngine(settings, self.cluster.engine_timing, self.cluster.clock,
+                               name=self.names[index], node=node)
+
+    def _endpoint(self, index: int):
+        from megatron_rl.cluster.generators import GeneratorEndpoint
+
+        engine = self.engines[index]
+        return GeneratorEndpoint(name=self.names[index], url=engine.url,
+                                 num_ranks=engine.settings.tp_size, node_id=_node_id(engine.node),
+                                 node_ip=_node_ip(engine.node), pid=os.getpid(),
+                                 started_at=time.time(), log_path="",
+                                 api_key=self.cluster.api_key)
+
+    def start(self) -> None:
+        async def start_all():
+            await asyncio.gather(*(engine.start() for engine in self.engines))
+
+        self.loop.call(start_all())
+        self._endpoints = [self._endpoint(i) for i in range(len(self.engines))]
+
+    def wait_until_healthy(self) -> None:
+        self.check_health()
+
+    def serving(self) -> dict:
+        return {i: e for i, e in enumerate(self._endpoints) if e is not None}
+
+    @property
+    def endpoints(self) -> list:
+        return list(self.serving().values())
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.endpoints]
+
+    @property
+    def placing(self) -> frozenset[int]:
+        return frozenset()
+
+    def restart(self, index: int) -> None:
+        """A fresh engine for generator `index` (version 0, a new port), not waited for. On a
+        lost node it starts on a spare node (as Ray re-places a bundle on a node with room)."""
+        node = self.engines[index].node
+        if _node_id(node) in self.cluster._lost:
+            node, self._spare_node = self._spare_node, self._spare_node + 1
+        old, self._endpoints[index] = self.engines[index], None
+        new = self._new_engine(index, node)
+        self.retired.append(old)
+        self.engines[index] = new
+
+        async def replace():
+            await old.kill()
+            await new.start()
+
+        self._replacing[index] = self.loop.submit(replace())
+
+    replace = restart
+
+    def poll_replacements(self) -> dict:
+        from megatron_rl.rollout import GeneratorError
+
+        done = {}
+        for index, future in list(self._replacing.items()):
+            if not future.done():
+                continue
+            del self._replacing[index]
+            try:
+                future.result(timeout=0)
+            except Exception as exc:  # noqa: BLE001 (reported as the start's failure)
+                done[index] = GeneratorError(f"generator {self.names[index]!r}: restarting it "
+                                             f"failed: {type(exc).__name__}: {exc}")
+                continue
+            self._endpoints[index] = done[index] = self._endpoint(index)
+        return done
+
+    def unhealthy(self, indices: Sequence[int] | None = None, *,
+                  timeout_s: float | None = None) -> dict:
+        """{index: error} of the engines that do not answer /health within `timeout_s`
+        (GeneratorError: hung) or refuse the connection (GeneratorDeadError), over HTTP."""
+        import aiohttp
+
+        from megatron_rl.rollout import GeneratorDeadError, GeneratorError
+
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        indices = list(range(len(self.engines)) if indices is None else indices)
+        urls = {i: self.engines[i].url for i in indices}
+
+        async def check(session, index, url):
+            try:
+                async with session.get(f"{url}/health",
+                                       timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                    if r.status != 200:
+                        return GeneratorError(f"generator {self.names[index]!r} ({url}): "
+                                              f"health answered {r.status}")
+            except asyncio.TimeoutError:
+                return GeneratorError(f"generator {self.names[index]!r} ({url}): no health "
+                                      f"answer within {timeout_s:.0f} s")
+            except aiohttp.ClientError as exc:
+                return GeneratorDeadError(f"generator {self.names[index]!r} ({url}): "
+                                          f"{type(exc).__name__}: {exc}")
+            return None
+
+        async def check_all():
+            async with aiohttp.ClientSession() as session:
+                results = await asyncio.gather(*(check(session, i, u) for i, u in urls.items()))
+            return {i: r for i, r in zip(urls, results) if r is not None}
+
+        return self.loop.call(check_all(), timeout=timeout_s + 60.0) if urls else {}
+
+    def check_health(self, timeout_s: float | None = None) -> None:
+        problems = list(self.unhealthy(timeout_s=timeout_s).values())
+        if problems:
+            raise problems[0] if len(problems) == 1 else type(problems[0])(
+                "\n".join(str(p) for p in problems))
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+
+        async def kill_all():
+            await asyncio.gather(*(e.kill() for e in self.engines if e.alive))
+
+        self.loop.call(kill_all(), timeout=timeout_s)
+
+
+class SimulatedTrainerGroup:
+    """TrainerGroup's interface with modelled durations (TrainerTiming) slept on the clock."""
+
+    def __init__(self, cluster: SimulatedCluster):
+        from megatron_rl.cluster.trainers import WorkerNode
+
+        self.cluster = cluster
+        self.timing = cluster.trainer_timing
+        per_node = cluster.profile.devices_per_node
+        self.nodes = [WorkerNode(node_id=f"simulated-trainer-node-{r // per_node:04d}",
+                                 node_ip=f"10.255.{r // per_node}.1", gpu_ids=(), pid=os.getpid())
+                      for r in range(cluster.layout.num_trainer_ranks)]
+        self.version = 0
+        self.steps = self.skipped = 0
+        self._generators: list = []
+        self._stopped = False
+        self.modelled_s = {"train": 0.0, "weight_push": 0.0, "checkpoint": 0.0}
+        self.pushed: dict[str, int] = {}  # engine URL -> the last version it confirmed
+
+    @property
+    def world_size(self) -> int:
+        return len(self.nodes)
+
+    def _sleep(self, what: str, model_seconds: float) -> None:
+        self.modelled_s[what] += model_seconds
+        time.sleep(self.cluster.clock.wall_delay(model_seconds))
+
+    def call(self, method: str, *args, timeout_s: float | None = None, **kwargs):
+        if self._stopped:
+            raise RuntimeError("the trainer group has been shut down")
+        return getattr(self, method)(*args, **kwargs)
+
+    def monitor_status(self) -> str:
+        return "simulated"
+
+    def load_model_weights(self, directory: str) -> None:
+        self.version = 0
+
+    def train_step(self, batch, *, timeout_s: float | None = None) -> SimulatedStepMetrics:
+        """One optimizer step over the batch's tokens (each standing for token_granularity
+        model tokens), slept for TrainerTiming's step time."""
+        g = self.cluster.engine_settings.token_granularity
+        num_tokens = sum(int(t.numel()) for t in batch.token_ids)
+        loss_tokens = sum(int(m.sum()) for m in batch.loss_mask)
+        self._sleep("train", self.timing.train_step_seconds(num_tokens * g))
+        self.steps += 1
+        cfg = self.cluster.cfg
+        micro = max(1, math.ceil(num_tokens / max(1, cfg.train.micro_batch_max_tokens)))
+        return SimulatedStepMetrics(
+            step=self.steps, loss=0.0, grad_norm=1.0, clip_fraction=0.0, mean_ratio=1.0,
+            logp_mismatch=0.0, logp_mismatch_max=0.0,
+            entropy=self.cluster.engine_settings.mean_neg_logprob, num_loss_tokens=loss_tokens,
+            num_tokens=num_tokens, num_micro_batches=micro, learning_rate=cfg.train.lr,
+            skipped=False, num_skipped_steps=0)
+
+    def save_checkpoint(self, directory: str, extra_state: dict | None = None, *,
+                        async_save: str = "never") -> bool:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "simulated_trainer.json").write_text(json.dumps(
+            {"version": self.version, "steps": self.steps, "extra_state": extra_state}))
+        self._sleep("checkpoint", self.timing.checkpoint_seconds())
+        return False  # written synchronously
+
+    def finalize_checkpoints(self, *, blocking: bool) -> bool:
+        return True
+
+    def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> dict:
+        state = json.loads((Path(directory) / "simulated_trainer.json").read_text())
+        self.version, self.steps = state["version"], state["steps"]
+        self._sleep("checkpoint", self.timing.checkpoint_seconds())
+        return state
+
+    def connect_generators(self, generators: Sequence, hf_config_dir: str) -> None:
+        if not generators:
+            raise ValueError("connect_generators: no generators given")
+        self._generators = list(generators)
+
+    def sync_weights(self, version: int | None = None, *, timeout_s: float | None = None):
+        version = self.version + 1 if version is None else version
+        report = self._push(self._generators, version,
+                            pause_mode=self.cluster.cfg.weight_sync.pause_mode)
+        self.version = version
+        return report
+
+    def sync_new_generators(self, generators: Sequence, hf_config_dir: str, version: int,
+                            connect: Sequence | None = None):
+        report = self._push(list(generators), version, pause_mode="none")
+        if connect is None:
+            by_name = {g.name: g for g in generators}
+            connect = [by_name.get(g.name, g) for g in self._generators]
+        self.connect_generators(list(connect), hf_config_dir)
+        return report
+
+    def _push(self, generators: Sequence, version: int, *, pause_mode: str):
+        """The engines' side of a weight update over their HTTP API: pause, begin, one bucket
+        of the generator weights (each engine times it by its link), the version, end,
+        continue. -> weight_sync's SyncReport."""
+        import aiohttp
+
+        from megatron_rl.rollout import GeneratorError
+        from megatron_rl.scaling.cost import generator_weight_bytes
+        from megatron_rl.weight_sync.sync import SyncReport
+
+        if self._stopped:
+            raise RuntimeError("the trainer group has been shut down")
+        num_bytes = int(generator_weight_bytes(self.timing.model))
+        headers = {"Authorization": f"Bearer {self.cluster.api_key}"}
+        group = f"simulated-sync-{version}"
+        urls = [g.url for g in generators]
+        timeout = aiohttp.ClientTimeout(total=self.cluster.cfg.weight_sync.timeout_s)
+
+        async def post(session, url, path, body):
+            async with session.post(f"{url}{path}", json=body) as response:
+                answer = await response.json(content_type=None)
+                if response.status != 200 or (isinstance(answer, dict)
+                                               and answer.get("success") is False):
+                    raise GeneratorError(f"{url}{path}: {response.status} {answer}")
+
+        async def everywhere(session, path, body):
+            await asyncio.gather(*(post(session, url, path, body) for url in urls))
+
+        async def push():
+            started = time.perf_counter()
+            async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
+                if pause_mode != "none":
+                    await everywhere(session, "/pause_generation", {"mode": pause_mode})
+                paused = time.perf_counter()
+                await everywhere(session, "/begin_weight_update", {})
+                await everywhere(session, "/init_weights_update_group",
+                                 {"group_name": group})
+                loading = time.perf_counter()
+                await everywhere(session, "/update_weights_from_distributed", {
+                    "group_name": group, "names": ["all"], "dtypes": ["uint8"],
+                    "shapes": [[num_bytes]], "weight_version": str(version)})
+                loaded = time.perf_counter()
+                await everywhere(session, "/destroy_weights_update_group",
+                                 {"group_name": group})
+                await everywhere(session, "/update_weight_version",
+                                 {"new_version": str(version), "abort_all_requests": False})
+                await everywhere(session, "/end_weight_update", {})
+                if pause_mode != "none":
+                    await everywhere(session, "/continue_generation", {})
+            done = time.perf_counter()
+            return started, paused, loading, loaded, done
+
+        started, paused, loading, loaded, done = self.cluster.loop.call(push())
+        self.pushed.update({url: version for url in urls})  # every call above succeeded
+        self.modelled_s["weight_push"] += (done - started) * self.cluster.clock.time_scale
+        return SyncReport(version=version, num_bytes=num_bytes, num_tensors=1, num_buckets=1,
+                          seconds=done - started, gather_s=0.0, convert_s=0.0,
+                          transfer_s=loaded - loading, load_s=0.0,
+                          control_s=(done - started) - (loaded - loading),
+                          paused_s=(done - started) if pause_mode != "none" else 0.0)
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        self._stopped = True
