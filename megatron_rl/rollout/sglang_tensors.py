@@ -42,8 +42,24 @@ def serialize_for_ranks(named_tensors: Sequence[tuple[str, torch.Tensor]],
     if not on_cuda:
         torch.multiprocessing.set_sharing_strategy("file_system")
     with sglang_cuda_reductions() if on_cuda else contextlib.nullcontext():
-        return [MultiprocessingSerializer.serialize(named_tensors, output_str=True)
-                for _ in range(num_ranks)]
+        return [_serialize(MultiprocessingSerializer, named_tensors) for _ in range(num_ranks)]
+
+
+# A CPU tensor's shared-memory file is registered with torch's shm manager daemon, which torch
+# starts on first use; on a loaded machine its first answer can come after libshm's connection
+# timeout ("Shared memory manager connection has timed out", seen in the suite at load ~50). The
+# daemon is up by then: asking again succeeds. Bounded: a manager that never answers still fails.
+_SHM_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+_SHM_MANAGER_ATTEMPTS = 3
+
+
+def _serialize(serializer, named_tensors: list) -> str:
+    for attempt in range(1, _SHM_MANAGER_ATTEMPTS + 1):
+        try:
+            return serializer.serialize(named_tensors, output_str=True)
+        except RuntimeError as exc:
+            if _SHM_MANAGER_TIMEOUT not in str(exc) or attempt == _SHM_MANAGER_ATTEMPTS:
+                raise
 
 
 @contextlib.contextmanager

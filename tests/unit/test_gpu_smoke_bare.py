@@ -24,7 +24,6 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -75,6 +74,7 @@ def _bare_site(folder: Path) -> list[str]:
     return names
 
 
+@pytest.mark.integration  # a fresh interpreter importing torch and megatron-core: ~7 s
 def test_the_dry_run_needs_only_torch_and_the_carried_wheels(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -104,12 +104,14 @@ def test_the_dry_run_needs_only_torch_and_the_carried_wheels(tmp_path):
     assert moe["layer_spec"]["mlp"] == "MoELayer"
 
 
+@pytest.mark.unit
 def test_the_carried_wheels_are_the_closure_at_the_installed_versions():
     needed = _closure(["megatron-core", "transformers"]) - _closure(TORCH_SIDE)
     assert needed == set(bare_wheels.PINS)
     assert {name: md.version(name) for name in bare_wheels.PINS} == bare_wheels.PINS
 
 
+@pytest.mark.unit
 def test_what_the_bare_tier_brings_fits_64_mib():
     folder = os.environ.get("MEGATRON_RL_BARE_WHEELS")
     wheels = bare_wheels.wheel_bytes(Path(folder) if folder else None)

@@ -93,3 +93,31 @@ def test_cuda_tensors_are_serialised_under_sglangs_reductions(monkeypatch):
     assert entered == []
     serialize_for_ranks([("w", torch.ones(2).as_subclass(_ClaimsCuda))], 2)
     assert entered == [True]
+
+
+def test_a_slow_shared_memory_manager_is_asked_again(monkeypatch):
+    """torch's shm manager daemon may answer its first client after libshm's timeout on a loaded
+    machine (seen in the suite); the payload is serialised again, up to 3 times, and any other
+    error is raised at once. The serializer is a stand-in that fails as libshm does."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    serialize, attempts = MultiprocessingSerializer.serialize, []
+
+    def slow_manager(obj, output_str=False):
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("Shared memory manager connection has timed out")
+        return serialize(obj, output_str=output_str)
+
+    monkeypatch.setattr(MultiprocessingSerializer, "serialize", staticmethod(slow_manager))
+    (payload,) = serialize_for_ranks(_named(), 1)
+    assert len(attempts) == 2
+    assert torch.equal(dict(MultiprocessingSerializer.deserialize(payload))[
+        "model.embed_tokens.weight"], _named()[0][1])
+
+    def broken(obj, output_str=False):
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(MultiprocessingSerializer, "serialize", staticmethod(broken))
+    with pytest.raises(RuntimeError, match="something else"):
+        serialize_for_ranks(_named(), 1)
