@@ -48,6 +48,22 @@ class _Phases:
         return ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
 
 
+
+def write_processes(out: Path, driver_node_id: str, endpoints, trainer_nodes,
+                    **extra) -> None:
+    """output_dir/processes.json, written whole (temp file, then rename): the driver, the
+    generators serving now and the trainer ranks, for operators and chaos tests; `extra` adds
+    top-level fields (the simulated cluster marks itself)."""
+    info = {"driver": {"pid": os.getpid(), "node_id": driver_node_id}, **extra,
+            "generators": [{"name": e.name, "url": e.url, "pid": e.pid, "node": e.node_ip,
+                            "node_id": e.node_id} for e in endpoints],
+            "trainer_ranks": [{"rank": r, "pid": n.pid, "node": n.node_ip, "node_id": n.node_id}
+                              for r, n in enumerate(trainer_nodes)]}
+    tmp = out / "processes.json.tmp"
+    tmp.write_text(json.dumps(info, indent=1))
+    tmp.replace(out / "processes.json")
+
+
 @dataclasses.dataclass(kw_only=True)
 class RunCluster:
     """What `start` brought up. `trainers` is replaced when the trainer group recovers."""
@@ -151,16 +167,8 @@ class RunCluster:
         the generators serving now (not those waiting to be placed again)."""
         import ray
 
-        info = {"driver": {"pid": os.getpid(),
-                           "node_id": ray.get_runtime_context().get_node_id()},
-                "generators": [{"name": e.name, "url": e.url, "pid": e.pid, "node": e.node_ip,
-                                "node_id": e.node_id} for e in self.generators.endpoints],
-                "trainer_ranks": [{"rank": r, "pid": n.pid, "node": n.node_ip,
-                                   "node_id": n.node_id}
-                                  for r, n in enumerate(self.trainers.nodes)]}
-        tmp = out / "processes.json.tmp"
-        tmp.write_text(json.dumps(info, indent=1))
-        tmp.replace(out / "processes.json")
+        write_processes(out, ray.get_runtime_context().get_node_id(), self.generators.endpoints,
+                        self.trainers.nodes)
 
     def restart_trainers(self, cfg: RunConfig) -> None:
         """A new trainer group in the same placement, connected to the serving engines (the old

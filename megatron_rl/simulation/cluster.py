@@ -227,16 +227,10 @@ class SimulatedCluster:
         return {n: self._lost[n] for n in node_ids if n in self._lost}
 
     def write_processes(self, out: Path) -> None:
-        info = {"driver": {"pid": os.getpid(), "node_id": "simulated-driver"},
-                "simulated": True,
-                "generators": [{"name": e.name, "url": e.url, "pid": e.pid, "node": e.node_ip,
-                                "node_id": e.node_id} for e in self.generators.endpoints],
-                "trainer_ranks": [{"rank": r, "pid": n.pid, "node": n.node_ip,
-                                   "node_id": n.node_id}
-                                  for r, n in enumerate(self.trainers.nodes)]}
-        tmp = out / "processes.json.tmp"
-        tmp.write_text(json.dumps(info, indent=1))
-        tmp.replace(out / "processes.json")
+        from megatron_rl.cluster.launch import write_processes
+
+        write_processes(out, "simulated-driver", self.generators.endpoints, self.trainers.nodes,
+                        simulated=True)
 
     def restart_trainers(self, cfg: RunConfig) -> None:
         self.trainers.shutdown()
