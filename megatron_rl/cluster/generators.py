@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from megatron_rl.cluster.processes import kill_process_group
 from megatron_rl.cluster.remote import actor_class, gather, kill_actors
-from megatron_rl.cluster.runtime import lost_nodes
+from megatron_rl.cluster.runtime import ClusterError, lost_nodes
 from megatron_rl.rollout import GeneratorDeadError, GeneratorError, SGLangServerSettings
 
 
@@ -166,6 +166,11 @@ class GeneratorActor:
         return self._endpoint.describe()
 
 
+class GeneratorStartError(ClusterError, GeneratorError):
+    """Generators did not start at a run's launch, each after all its starts; the message names
+    every one with its server's error."""
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class _Replacement:
     """A generator being restarted, one stage at a time: its actor's `restart` in place (or,
@@ -239,15 +244,80 @@ class GeneratorPool:
             raise
         return pool
 
-    def wait_until_healthy(self) -> None:
-        """Wait until every started server answers; on any failure every one is stopped."""
+    def wait_until_healthy(self, *, attempts: int = 1) -> None:
+        """Wait until every started server answers. A server that does not start (its process
+        exited, or no /health within start_timeout_s) is started again in its actor, all such
+        at once, until it has had `attempts` starts: at a run's launch one engine of 256 whose
+        port was taken or whose node was slow does not end the launch. Once one has spent them,
+        or on any other failure (an actor died), every server is stopped and the error names
+        each generator that did not start (GeneratorStartError, with the servers' own errors)."""
         try:
-            self._endpoints = gather([a.wait_until_healthy.remote() for a in self.actors],
-                                     self._labels(), what="starting the SGLang servers",
-                                     timeout_s=self.start_timeout_s + self.call_timeout_s)
+            self._endpoints = self._start_all(attempts)
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_all(self, attempts: int) -> list[GeneratorEndpoint]:
+        """`wait_until_healthy`'s loop: one `ray.wait` over every engine's current stage (its
+        health wait, or the restart of one that did not start), in slices of WAIT_SLICE_S so
+        that a graceful stop abandons it (resilience/stop.py)."""
+        import ray
+
+        from megatron_rl.console import notice
+        from megatron_rl.resilience.stop import RUN_STOP, WAIT_SLICE_S
+
+        what, bound = "starting the SGLang servers", self.start_timeout_s + self.call_timeout_s
+        now = time.monotonic()
+        pending = {i: _Replacement(stage="healthy", ref=a.wait_until_healthy.remote(), since=now)
+                   for i, a in enumerate(self.actors)}
+        starts = dict.fromkeys(pending, 1)
+        endpoints: list[GeneratorEndpoint | None] = [None] * len(self.actors)
+        failed: dict[int, str] = {}
+        while pending:
+            RUN_STOP.abandon_if_past_grace(what)
+            late = [i for i, p in pending.items() if time.monotonic() - p.since > (
+                bound if p.stage == "healthy" else self.call_timeout_s)]
+            if late:
+                raise TimeoutError(f"{what}: no answer from "
+                                   f"{', '.join(self._label(i) for i in late)} within "
+                                   f"{bound:.0f} s (rollout.engine_start_timeout_s)")
+            ready = set(ray.wait([p.ref for p in pending.values()], num_returns=1,
+                                 timeout=WAIT_SLICE_S)[0])
+            for i, p in [(i, p) for i, p in pending.items() if p.ref in ready]:
+                try:
+                    result = ray.get(p.ref, timeout=WAIT_SLICE_S)
+                except ray.exceptions.RayTaskError as exc:
+                    cause = exc.cause
+                    if not isinstance(cause, GeneratorError) or p.stage != "healthy":
+                        exc.add_note(f"({what} on {self._label(i)})")
+                        raise
+                    if starts[i] >= attempts:
+                        failed[i] = str(cause)
+                        del pending[i]
+                        continue
+                    starts[i] += 1
+                    notice(f"{str(cause).splitlines()[0][:300]}; starting it again (start "
+                           f"{starts[i]} of {attempts})")
+                    pending[i] = _Replacement(stage="restart", since=time.monotonic(),
+                                              ref=self.actors[i].restart.remote())
+                    continue
+                except ray.exceptions.RayError as exc:
+                    exc.add_note(f"({what} on {self._label(i)})")
+                    raise
+                if p.stage == "restart":  # the new server launched: wait for its health
+                    pending[i] = _Replacement(stage="healthy", since=time.monotonic(),
+                                              ref=self.actors[i].wait_until_healthy.remote())
+                else:
+                    endpoints[i] = result
+                    del pending[i]
+        if failed:
+            raise GeneratorStartError(
+                f"{len(failed)} of {len(self.actors)} generators did not start in {attempts} "
+                f"start(s) each (rollout.max_generator_restarts + 1):\n"
+                + "\n".join(failed[i] for i in sorted(failed))
+                + "\nEach server's log is output_dir/generator-<i>.log; the usual causes are a GPU "
+                "still held by an earlier run and a model the served settings cannot load")
+        return endpoints
 
     def serving(self) -> dict[int, GeneratorEndpoint]:
         """{index: endpoint} of the generators whose server is started (not restarting, not

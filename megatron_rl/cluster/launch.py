@@ -140,7 +140,8 @@ class RunCluster:
             "nvidia-resiliency-ext rank monitor on every rank, and train.step_timeout_s"
             if monitor == "on" else f"train.step_timeout_s only (no rank monitor: {monitor})"))
         with phases("generators ready"):
-            generators.wait_until_healthy()
+            # An engine that does not start is started again (not the whole launch ended).
+            generators.wait_until_healthy(attempts=cfg.rollout.max_generator_restarts + 1)
         with phases("weight-sync connection"):
             trainers.connect_generators(generators.endpoints, hf_config_dir=model_dir)
             generators.connected = {e.name for e in generators.endpoints}

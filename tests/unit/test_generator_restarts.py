@@ -466,3 +466,60 @@ def test_a_server_on_a_lost_node_counts_as_stopped_at_shutdown(tmp_path, loop, m
     else:
         with pytest.raises(GeneratorError, match="could not confirm.*generator-1"):
             pool.shutdown()
+
+
+def _launched_pool(monkeypatch, num, durations=None):
+    """A pool of `num` engines launched (not yet healthy), as RunCluster leaves it before
+    `wait_until_healthy` -> (pool, world)."""
+    world = World(durations if durations is not None
+                  else {"restart": RESTART_S, "wait_until_healthy": START_S})
+    FakeServer.world = world
+    monkeypatch.setitem(sys.modules, "ray", FakeRay(world))
+    monkeypatch.setattr("megatron_rl.rollout.SGLangServer", FakeServer)
+    monkeypatch.setattr("megatron_rl.console.quiet_known_warnings", lambda **_: None)
+    monkeypatch.setattr(generators_module, "kill_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(generators_module, "time", world.clock)
+    names = [f"generator-{i}" for i in range(num)]
+    settings = [SGLangServerSettings(model_path=".", random_seed=i) for i in range(num)]
+    pool = GeneratorPool(None, [], names, start_timeout_s=900.0, call_timeout_s=30.0)
+    pool._settings = settings
+    monkeypatch.setattr(pool, "_new_actor", lambda i: Handle(world, names[i], settings[i]))
+    pool.actors = [pool._new_actor(i) for i in range(num)]
+    pool._endpoints = [None] * num
+    for handle in pool.actors:
+        handle.actor.launch()
+    return pool, world
+
+
+def test_engines_that_fail_to_start_at_launch_are_started_again_all_at_once(monkeypatch):
+    """At a run's launch, engines whose first start fails (a port taken meanwhile) are started
+    again in their actors, together, and the launch goes on: 2 of 8 fail once, and the wait is
+    one start, one restart and one more start of modelled time (not one per failed engine)."""
+    pool, world = _launched_pool(monkeypatch, 8)
+    world.failing_starts.update({"generator-2": 1, "generator-5": 1})
+    started = world.clock.now
+    pool.wait_until_healthy(attempts=2)
+    assert len(pool.endpoints) == 8 and world.actors_created == 8  # same actors, restarted
+    assert len({e.url for e in pool.endpoints}) == 8
+    assert world.clock.now - started == pytest.approx(START_S + RESTART_S + START_S)
+
+
+def test_an_engine_that_never_starts_ends_the_launch_naming_it(monkeypatch):
+    """Once an engine has spent its starts, the launch stops every server and the error names
+    each engine that did not start, with its server's own error (one ClusterError the CLI prints
+    as one line, not a traceback)."""
+    from megatron_rl.cluster.generators import GeneratorStartError
+    from megatron_rl.cluster.runtime import ClusterError
+
+    pool, world = _launched_pool(monkeypatch, 4)
+    world.failing_starts.update({"generator-1": 5, "generator-3": 1})
+    stopped = []
+    monkeypatch.setattr(pool, "shutdown", lambda *a, **k: stopped.append(True))
+    with pytest.raises(GeneratorStartError) as raised:
+        pool.wait_until_healthy(attempts=3)
+    message = str(raised.value)
+    assert isinstance(raised.value, ClusterError) and stopped == [True]
+    assert message.startswith("1 of 4 generators did not start in 3 start(s) each")
+    assert "'generator-1'" in message and "address already in use" in message
+    assert "'generator-3'" not in message  # its second start succeeded
+    assert world.failing_starts["generator-1"] == 2  # three starts spent, no more
