@@ -1,7 +1,8 @@
 """The ScaleRL algorithm core as pure tensor functions: advantages, zero-variance and verified
 (no failed verifier) group filtering, policy losses (CISPO, DAPO/GRPO, GSPO) and the SFT
 cross-entropy, loss aggregation with global denominators, the No-Positive-Resampling prompt
-sampler and length control. No Megatron, no processes: everything here is unit-tested with
+sampler, length control and the train / rollout mismatch corrections and metrics (off by
+default). No Megatron, no processes: everything here is unit-tested with
 hand-computed values on CPU.
 """
 from megatron_rl.algorithms.advantages import NORMALIZATIONS, compute_advantages
@@ -35,6 +36,11 @@ from megatron_rl.algorithms.losses import (
     cross_entropy_loss,
     gspo_loss,
 )
+from megatron_rl.algorithms.mismatch import (
+    MismatchCorrection,
+    correction_weights,
+    mismatch_metrics,
+)
 from megatron_rl.algorithms.sampler import NoPositiveResamplingSampler
 
 __all__ = [
@@ -45,6 +51,7 @@ __all__ = [
     "NORMALIZATIONS",
     "AggregationDenominators",
     "LossOutput",
+    "MismatchCorrection",
     "NoPositiveResamplingSampler",
     "SFT_KIND",
     "aggregate_loss",
@@ -53,12 +60,14 @@ __all__ = [
     "clipped_surrogate_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "correction_weights",
     "cross_entropy_loss",
     "group_keep_mask",
     "group_pass_rates",
     "gspo_loss",
     "length_penalties",
     "length_penalty",
+    "mismatch_metrics",
     "sample_thinking_budget",
     "token_weights",
     "verified_mask",
