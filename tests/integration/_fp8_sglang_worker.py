@@ -1,0 +1,170 @@
+"""Run by tests/integration/test_fp8_sglang.py in its own process (argv[1]: a free port for
+the one-rank gloo group SGLang's layers need): the weight sync's FP8 quantiser and rule
+(megatron_rl/weight_sync/fp8.py) against SGLang 0.5.23's own code on CPU. Prints one line
+"RESULT <json>"."""
+import json
+import sys
+import tempfile
+
+from megatron_rl.platform.sglang_cpu import apply_sglang_cpu_fixes
+apply_sglang_cpu_fixes()  # CPU stand-ins for SGLang's imports
+import torch  # noqa: E402
+from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+from sglang.srt.layers.moe import initialize_moe_config
+from sglang.srt.layers.quantization.fp8 import Fp8Config
+from sglang.srt.layers.quantization.fp8_utils import (block_quant_dequant, input_to_float8,
+                                                      per_block_cast_to_fp8)
+from sglang.srt.layers.quantization.utils import _FALLBACK_FUSED_SHARDS, is_layer_skipped
+from sglang.srt.models.llama4 import Llama4ForCausalLM
+from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+from sglang.srt.runtime_context import SpawnRanks, publish
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+from megatron_rl.weight_sync import fp8
+from models.registry import get_model_family, model_family_for_hf_config
+
+model_dir = tempfile.mkdtemp()  # a config.json for ServerArgs' resolution; no weights are read
+with open(f"{model_dir}/config.json", "w") as f:
+    json.dump(get_model_family("qwen3_moe").hf_config("tiny"), f)
+server_args = ServerArgs(model_path=model_dir, device="cpu")
+set_global_server_args_for_scheduler(server_args)
+publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                             distributed_init_method="tcp://127.0.0.1:" + sys.argv[1])
+initialize_model_parallel(backend="gloo")
+initialize_moe_config()
+out = {}
+
+# 0. SGLang's quantisation helpers and skip rule.
+generator = torch.Generator().manual_seed(0)
+weight = torch.randn(300, 260, generator=generator) * torch.exp(
+    torch.randn(300, 260, generator=generator) * 2) * 0.01
+weight[128:256, 128:256] = 0.0  # a zero block: both floor amax at 1e-4
+def same_bits(a, b):
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.view(torch.uint8) if a.dtype == fp8.FP8_DTYPE else a,
+        b.view(torch.uint8) if b.dtype == fp8.FP8_DTYPE else b)
+for dtype in (torch.float32, torch.bfloat16):
+    w = weight.to(dtype)
+    ours_q, ours_s = fp8.quantize_blockwise(w, ue8m0=True)
+    ref_q, ref_s = per_block_cast_to_fp8(w)
+    out[f"ue8m0_{dtype}"] = same_bits(ours_q, ref_q) and same_bits(ours_s, ref_s.float())
+    ours_q, ours_s = fp8.quantize_per_tensor(w)
+    ref_q, ref_s = input_to_float8(w)
+    out[f"per_tensor_{dtype}"] = same_bits(ours_q, ref_q) and same_bits(ours_s, ref_s)
+    q, s = fp8.quantize_blockwise(w)
+    out[f"dequant_{dtype}"] = torch.equal(
+        fp8.dequantize_blockwise(q, s), block_quant_dequant(q, s, [128, 128], torch.float32))
+
+configs = [{}, {"modules_to_not_convert": ["model.layers.1.self_attn", "layers.2.mlp.experts"]},
+           {"ignored_layers": ["lm_head", "model.layers.3.mlp.experts.1.gate_proj",
+                               "layers.0.feed_forward.experts"]},
+           {"ignored_layers": ["mlp.gate", "self_attn.q_proj", "self_attn.k_proj",
+                               "self_attn.v_proj"]}]
+disagree = []  # the skip rule against is_layer_skipped on SGLang's own prefixes
+for family in ("qwen3_moe", "llama4"):
+    bound = model_family_for_hf_config(get_model_family(family).hf_config("tiny"))
+    names = [n for g in bound.weight_groups() for n in g.hf_names]
+    for extra in configs:
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128], **extra}
+        sglang = Fp8Config.from_config(qc)
+        ours = fp8.fp8_quantized(qc, names)
+        for name in fp8.fp8_quantized({"quant_method": "fp8"}, names):
+            module = name.rpartition(".")[0]
+            skipped = is_layer_skipped(fp8._sglang_prefix(module), sglang.ignored_layers)
+            if skipped == (name in ours):
+                disagree.append([family, extra, name])
+        out[f"layout_{family}_{len(extra)}"] = (
+            fp8.Fp8Layout.from_quantization_config(qc).weight_block_size
+            == tuple(sglang.weight_block_size))
+out["rule_disagreements"] = disagree
+
+def sglang_module(hf_name):
+    """The SGLang module an HF tensor loads into: experts -> the layer's FusedMoE; q/k/v_proj,
+    gate/up_proj -> their fused module (SGLang's own shard table)."""
+    module = hf_name.rpartition(".")[0]
+    head, found, _ = module.partition(".experts.")
+    if found or module.endswith(".experts"):
+        return (head if found else module.removesuffix(".experts")) + ".experts"
+    parent, _, leaf = module.rpartition(".")
+    fused = next((f for f, shards in _FALLBACK_FUSED_SHARDS.items() if leaf in shards), leaf)
+    return parent + "." + fused
+
+torch.set_default_dtype(torch.bfloat16)  # the engine's parameter dtype
+
+# 1. The rule against the FP8 parameters SGLang's models create, with and without exclusions.
+exclusions = [[], ["model.layers.1.self_attn", "layers.2.mlp.experts", "layers.2.feed_forward"]]
+for family, cls in (("qwen3_moe", Qwen3MoeForCausalLM), ("llama4", Llama4ForCausalLM)):
+    bound = model_family_for_hf_config(get_model_family(family).hf_config("tiny"))
+    names = [n for g in bound.weight_groups() for n in g.hf_names]
+    for excluded in exclusions:
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic",
+              "weight_block_size": [16, 16], "modules_to_not_convert": excluded}
+        model = cls(bound.hf_config, quant_config=Fp8Config.from_config(qc))
+        in_fp8 = {n.rpartition(".")[0] for n, p in model.named_parameters()
+                  if p.dtype == torch.float8_e4m3fn}
+        expected = {n for n in names if sglang_module(n) in in_fp8}
+        ours = fp8.fp8_quantized(qc, names)
+        out[f"rule_{family}_{len(excluded)}"] = [sorted(expected - ours), sorted(ours - expected)]
+        out[f"rule_nonempty_{family}_{len(excluded)}"] = len(ours)
+
+# 2. SGLang's own loader takes the quantiser's output: Qwen3-MoE's FP8 parameters after
+# load_weights hold exactly our fp8 bytes and scales (fused q/k/v and gate/up concatenated along
+# the output dim, experts stacked), the rest the tensors sent.
+bound = model_family_for_hf_config(get_model_family("qwen3_moe").hf_config("tiny"))
+hf_cfg = bound.hf_config
+names = [n for g in bound.weight_groups() for n in g.hf_names]
+attention = {"q_proj": hf_cfg.num_attention_heads * hf_cfg.head_dim,
+             "k_proj": hf_cfg.num_key_value_heads * hf_cfg.head_dim,
+             "v_proj": hf_cfg.num_key_value_heads * hf_cfg.head_dim}
+def hf_shape(name, params):
+    module = name.rpartition(".")[0]
+    leaf = module.rpartition(".")[2]
+    if leaf in attention:
+        return (attention[leaf], hf_cfg.hidden_size)
+    if ".experts." in module:
+        inter = hf_cfg.moe_intermediate_size
+        return (hf_cfg.hidden_size, inter) if leaf == "down_proj" else (inter, hf_cfg.hidden_size)
+    return tuple(params[name].shape)
+def _rows(tensor):  # a per-tensor scale (0-dim) takes one slot of the fused parameter
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor
+for label, qc in (("block", {"weight_block_size": [16, 16]}), ("per_tensor", {})):
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", **qc}
+    layout = fp8.Fp8Layout.from_quantization_config(qc)
+    model = Qwen3MoeForCausalLM(hf_cfg, quant_config=Fp8Config.from_config(qc))
+    params = dict(model.named_parameters())
+    generator = torch.Generator().manual_seed(0)
+    quantised = fp8.fp8_quantized(qc, names)
+    sent = {}
+    for name in names:
+        tensor = (torch.randn(hf_shape(name, params), generator=generator) * 0.05).bfloat16()
+        sent.update(fp8.quantize_named(name, tensor, layout) if name in quantised
+                    else {name: tensor})
+    model.load_weights(list(sent.items()))
+    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    scale_suffix = "weight_scale_inv" if layout.weight_block_size else "weight_scale"
+    mismatched = []
+    for pname, param in params.items():
+        module, _, pleaf = pname.rpartition(".")
+        if param.dtype != torch.float8_e4m3fn and not pleaf.endswith(("scale", "scale_inv")):
+            expected = sent.get(pname)
+        elif module.endswith(".experts"):
+            kind = pleaf.partition("_")[0]  # w13 | w2
+            parts = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
+            suffix = "weight" if pleaf.endswith("weight") else scale_suffix
+            expected = torch.stack([torch.cat([_rows(sent[f"{module}.{e}.{p}.{suffix}"])
+                                               for p in parts])
+                                    for e in range(hf_cfg.num_experts)])
+            expected = expected.reshape(param.shape)
+        else:
+            parent, _, fused = module.rpartition(".")
+            parts = _FALLBACK_FUSED_SHARDS.get(fused, [fused])
+            suffix = pleaf
+            pieces = [sent[f"{parent}.{p}.{suffix}"] for p in parts]
+            expected = torch.cat([_rows(p) for p in pieces]).reshape(param.shape)
+        if expected is None or expected.dtype != param.dtype or not torch.equal(
+                bits(param.data), bits(expected)):
+            mismatched.append(pname)
+    out[f"load_{label}_mismatched"] = mismatched
+    out[f"load_{label}_fp8_params"] = sum(p.dtype == torch.float8_e4m3fn for p in params.values())
+print("RESULT " + json.dumps(out))
