@@ -81,8 +81,9 @@ class Fp8Layout:
         `<module>.weight_scale` (per-tensor), the names SGLang's loaders look up."""
         if not weight_name.endswith(".weight"):
             raise ValueError(f"{weight_name!r} is not a `<module>.weight` tensor; SGLang's FP8 "
-                             "loaders pair scales with `.weight` names only (Llama-4's fused "
-                             "`experts.gate_up_proj` / `experts.down_proj` are not supported yet)")
+                             "loaders pair scales with `.weight` names only (send Llama-4's "
+                             "fused `experts.gate_up_proj` / `experts.down_proj` through "
+                             "unfuse_llama4_experts first)")
         suffix = "weight_scale_inv" if self.weight_block_size is not None else "weight_scale"
         return weight_name[:-len("weight")] + suffix
 
@@ -156,6 +157,42 @@ def quantize_named(name: str, tensor: torch.Tensor,
         quantized, scale = quantize_blockwise(tensor, layout.weight_block_size,
                                               ue8m0=layout.ue8m0)
     return {name: quantized, scale_name: scale}
+
+
+def unfuse_llama4_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Llama-4's fused HF expert tensor as per-expert tensors in the Linear orientation, the form
+    whose FP8 scales SGLang's Llama-4 loader takes: `...experts.gate_up_proj` [E, H, 2I] ->
+    `...experts.{e}.gate_proj.weight` and `.up_proj.weight` [I, H] (the first and second half of
+    the last dim, as mllama4.py _handle_expert_weight_params chunks it); `...experts.down_proj`
+    [E, I, H] -> `...experts.{e}.down_proj.weight` [H, I]. Those names go through SGLang's
+    per-expert mapping (FusedMoE.make_expert_params_mapping) with their `.weight_scale_inv`;
+    the fused names cannot carry per-expert block scales (_handle_expert_scale_params writes one
+    scale into every expert)."""
+    base, _, leaf = name.rpartition(".")
+    if not base.endswith(".experts") or leaf not in LLAMA4_FUSED_EXPERT_TENSORS \
+            or tensor.dim() != 3:
+        raise ValueError(f"{name!r} {tuple(tensor.shape)} is not a Llama-4 fused expert tensor "
+                         "(`...experts.gate_up_proj` [E, H, 2I] or `...experts.down_proj` "
+                         "[E, I, H])")
+    if leaf == "down_proj":
+        return {f"{base}.{e}.down_proj.weight": expert.T.contiguous()
+                for e, expert in enumerate(tensor)}
+    return {f"{base}.{e}.{proj}.weight": half.T.contiguous()
+            for e, expert in enumerate(tensor)
+            for proj, half in zip(("gate_proj", "up_proj"), expert.chunk(2, dim=-1))}
+
+
+def check_llama4_block_rows(layout: Fp8Layout, head_dim: int) -> None:
+    """SGLang's Llama-4 loader reorders the rows of q_proj / k_proj within each head after the
+    FP8 bytes arrive (mllama4.py permute_qk_weight_for_rotary: interleaved -> half-split rotary
+    pairs) and leaves their scales as they are: a row moved into another block would be scaled
+    by that block's scale. Rows stay in their block only when each block holds whole heads."""
+    if layout.weight_block_size is not None and layout.weight_block_size[0] % head_dim:
+        raise ValueError(f"weight_block_size rows {layout.weight_block_size[0]} must be a "
+                         f"multiple of head_dim {head_dim} for Llama-4: SGLang reorders q/k rows "
+                         "within each head after loading without moving their block scales; "
+                         "use blocks of whole heads (Scout: head_dim 128, blocks [128, 128]) or "
+                         "per-tensor scales")
 
 
 # Which HF modules SGLang builds as a quantisable layer (a LinearBase given the model's

@@ -167,4 +167,93 @@ for label, qc in (("block", {"weight_block_size": [16, 16]}), ("per_tensor", {})
             mismatched.append(pname)
     out[f"load_{label}_mismatched"] = mismatched
     out[f"load_{label}_fp8_params"] = sum(p.dtype == torch.float8_e4m3fn for p in params.values())
+
+# 3. Llama-4 as SGLang serves it (mllama4.Llama4ForConditionalGeneration, text only): every FP8
+# parameter after load_weights dequantises to the trainer's tensor within the e4m3 bound
+# (fp8.py), experts sent unfused per expert; SGLang reorders q/k rows within each head after
+# loading, which block rows of whole heads survive (head_dim 16, blocks [16, 16]) and smaller
+# blocks do not ([8, 8]: the q/k/v parameters fail, as check_llama4_block_rows says).
+from sglang.srt.models.mllama4 import Llama4ForConditionalGeneration  # noqa: E402
+from transformers import Llama4Config  # noqa: E402
+
+bound = model_family_for_hf_config(get_model_family("llama4").hf_config("tiny"))
+text_cfg = bound.hf_config
+names = [n for g in bound.weight_groups() for n in g.hf_names]
+H, I, E, hd = (text_cfg.hidden_size, text_cfg.intermediate_size, text_cfg.num_local_experts,
+               text_cfg.head_dim)
+q_rows, kv_rows = text_cfg.num_attention_heads * hd, text_cfg.num_key_value_heads * hd
+def llama4_shape(name, params):
+    leaf = name.rpartition(".")[0].rpartition(".")[2]
+    if name.endswith("experts.gate_up_proj"):
+        return (E, H, 2 * I)
+    if name.endswith("experts.down_proj"):
+        return (E, I, H)
+    if leaf in ("q_proj", "k_proj", "v_proj"):
+        return (q_rows if leaf == "q_proj" else kv_rows, H)
+    if "shared_expert" in name:
+        return (H, I) if leaf == "down_proj" else (I, H)
+    return tuple(params["language_model." + name].shape)
+def permute(w, num_heads):  # mllama4.py permute_qk_weight_for_rotary
+    return w.view(num_heads, hd // 2, 2, -1).transpose(1, 2).reshape(num_heads * hd, -1)
+text = {k: v for k, v in get_model_family("llama4").hf_config("tiny").items()
+        if k != "architectures"}
+for block in (16, 8):
+    config = Llama4Config(text_config=text, vision_config={"model_type": "llama4_vision_model"})
+    # SGLang's CPU model config records the head counts before its CPU TP padding; set them as
+    # it does for TP 1.
+    config.text_config.original_num_attention_heads = config.text_config.num_attention_heads
+    config.text_config.original_total_num_kv_heads = config.text_config.num_key_value_heads
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic",
+          "weight_block_size": [block, block]}
+    layout = fp8.Fp8Layout.from_quantization_config(qc)
+    try:
+        fp8.check_llama4_block_rows(layout, hd)
+        out[f"llama4_{block}_refused"] = False
+    except ValueError:
+        out[f"llama4_{block}_refused"] = True
+    model = Llama4ForConditionalGeneration(config, quant_config=Fp8Config.from_config(qc))
+    params = dict(model.named_parameters())
+    quantised = fp8.fp8_quantized(qc, names)
+    generator = torch.Generator().manual_seed(0)
+    original, sent = {}, {}
+    for name in names:
+        tensor = (torch.randn(llama4_shape(name, params), generator=generator) * 0.05).bfloat16()
+        pieces = (fp8.unfuse_llama4_experts(name, tensor) if "experts." in name
+                  and not name.endswith(".weight") else {name: tensor})
+        for piece_name, piece in pieces.items():
+            original[piece_name] = piece
+            sent.update(fp8.quantize_named(piece_name, piece, layout) if name in quantised
+                        else {piece_name: piece})
+    model.load_weights(list(sent.items()))
+    outside = []
+    for pname, param in params.items():
+        if param.dtype != torch.float8_e4m3fn:
+            continue
+        module = pname.removeprefix("language_model.").rsplit(".", 1)[0]
+        if module.endswith("qkv_proj"):
+            p = module.removesuffix("qkv_proj")
+            ref = torch.cat([permute(original[p + "q_proj.weight"], text_cfg.num_attention_heads),
+                             permute(original[p + "k_proj.weight"], text_cfg.num_key_value_heads),
+                             original[p + "v_proj.weight"]])
+        elif module.endswith("gate_up_proj"):
+            p = module.removesuffix("gate_up_proj")
+            ref = torch.cat([original[p + "gate_proj.weight"], original[p + "up_proj.weight"]])
+        elif pname.endswith("w13_weight"):
+            ref = torch.stack([torch.cat([original[f"{module}.{e}.gate_proj.weight"],
+                                          original[f"{module}.{e}.up_proj.weight"]])
+                               for e in range(E)])
+        elif pname.endswith("w2_weight"):
+            ref = torch.stack([original[f"{module}.{e}.down_proj.weight"] for e in range(E)])
+        else:
+            ref = original[module + ".weight"]
+        scale = params[pname + "_scale_inv"].float()
+        dequantised = block_quant_dequant(param.data, scale, [block, block], torch.float32)
+        per_element = scale.repeat_interleave(block, -2).repeat_interleave(block, -1)[
+            ..., :ref.shape[-2], :ref.shape[-1]]
+        bound_ = torch.maximum(ref.float().abs() * 2.0 ** -4, per_element * 2.0 ** -10)
+        if not bool(((dequantised - ref.float()).abs() <= bound_ * (1 + 2.0 ** -20)).all()):
+            outside.append(pname.rsplit(".", 2)[-2])
+    out[f"llama4_{block}_outside_bound"] = sorted(set(outside))
+    out[f"llama4_{block}_fp8_params"] = sum(p.dtype == torch.float8_e4m3fn
+                                            for p in params.values())
 print("RESULT " + json.dumps(out))

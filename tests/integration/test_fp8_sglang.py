@@ -4,8 +4,10 @@
 engine's own online quantisation); block dequantisation equal to fp8_utils.block_quant_dequant;
 the skip rule equal to Fp8Config.from_config + quantization/utils.is_layer_skipped; the rule equal
 to the parameters SGLang's own Qwen3-MoE and Llama-4 models create in FP8 (tiny sizes, with and
-without excluded modules); and SGLang's Qwen3-MoE loader (`load_weights`) taking the quantiser's
-named output into exactly those bytes and scales, block and per-tensor. The worker
+without excluded modules); SGLang's Qwen3-MoE loader (`load_weights`) taking the quantiser's
+named output into exactly those bytes and scales, block and per-tensor; and SGLang's Llama-4
+(multimodal class, text only) loading it, experts unfused, into parameters that dequantise to the
+trainer's tensors within the e4m3 bound, which needs blocks of whole heads. The worker
 (_fp8_sglang_worker.py) runs in a subprocess: the CPU stand-ins SGLang's imports need must not
 enter the pytest process."""
 import json
@@ -48,4 +50,12 @@ def test_quantiser_and_rule_match_sglang_on_cpu():
     for layout in ("block", "per_tensor"):
         assert result.pop(f"load_{layout}_mismatched") == []
         assert result.pop(f"load_{layout}_fp8_params") == 16
+    # Llama-4 as SGLang serves it: 24 FP8 parameters (4 layers x qkv, o_proj, shared gate_up
+    # and down, w13, w2) within the e4m3 bound of the trainer's tensors when blocks hold whole
+    # heads; with smaller blocks SGLang's q/k row reordering breaks exactly the qkv blocks, and
+    # check_llama4_block_rows refuses that layout.
+    assert result.pop("llama4_16_outside_bound") == []
+    assert result.pop("llama4_8_outside_bound") == ["qkv_proj"]
+    assert result.pop("llama4_16_refused") is False and result.pop("llama4_8_refused") is True
+    assert result.pop("llama4_16_fp8_params") == result.pop("llama4_8_fp8_params") == 24
     assert result == {}

@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
-from megatron_rl.weight_sync.fp8 import (FP8_DTYPE, Fp8Layout, dequantize_blockwise,
-                                         fp8_quantized, quantize_blockwise, quantize_named,
-                                         quantize_per_tensor)
+from megatron_rl.weight_sync.fp8 import (FP8_DTYPE, Fp8Layout, check_llama4_block_rows,
+                                         dequantize_blockwise, fp8_quantized, quantize_blockwise,
+                                         quantize_named, quantize_per_tensor,
+                                         unfuse_llama4_experts)
 
 pytestmark = pytest.mark.unit
 
@@ -139,7 +140,7 @@ def test_scale_names_and_layout_from_config():
     ue8m0 = Fp8Layout.from_quantization_config(
         {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"})
     assert ue8m0.ue8m0
-    with pytest.raises(ValueError, match="not a `<module>.weight`"):
+    with pytest.raises(ValueError, match="unfuse_llama4_experts"):
         block.scale_name("model.layers.0.feed_forward.experts.gate_up_proj")
     with pytest.raises(ValueError, match="'fp8' layout only"):
         Fp8Layout.from_quantization_config({"quant_method": "mxfp8"})
@@ -181,6 +182,28 @@ def test_expert_stacks_quantise_per_expert():
     for e in range(3):
         q_e, s_e = quantize_blockwise(experts[e])
         assert torch.equal(q[e].view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(s[e], s_e)
+
+
+def test_llama4_fused_experts_unfuse_to_linear_orientation():
+    # [E=2, H=3, 2I=4]: expert e's gate is columns 0-1 transposed, up columns 2-3 transposed.
+    gate_up = torch.arange(24.0).view(2, 3, 4)
+    out = unfuse_llama4_experts("model.layers.0.feed_forward.experts.gate_up_proj", gate_up)
+    prefix = "model.layers.0.feed_forward.experts."
+    assert list(out) == [prefix + "0.gate_proj.weight", prefix + "0.up_proj.weight",
+                         prefix + "1.gate_proj.weight", prefix + "1.up_proj.weight"]
+    assert out[prefix + "1.gate_proj.weight"].tolist() == [[12.0, 16.0, 20.0], [13.0, 17.0, 21.0]]
+    assert out[prefix + "0.up_proj.weight"].tolist() == [[2.0, 6.0, 10.0], [3.0, 7.0, 11.0]]
+    down = torch.arange(12.0).view(2, 2, 3)  # [E, I, H] -> [H, I] per expert
+    out = unfuse_llama4_experts("model.layers.0.feed_forward.experts.down_proj", down)
+    assert out[prefix + "1.down_proj.weight"].tolist() == [[6.0, 9.0], [7.0, 10.0], [8.0, 11.0]]
+    with pytest.raises(ValueError, match="not a Llama-4 fused expert tensor"):
+        unfuse_llama4_experts("model.layers.0.feed_forward.router.weight", torch.zeros(4, 3))
+    # Blocks must hold whole heads (SGLang reorders q/k rows within a head after loading).
+    check_llama4_block_rows(Fp8Layout(weight_block_size=(128, 128)), head_dim=128)
+    check_llama4_block_rows(Fp8Layout(weight_block_size=(128, 128)), head_dim=64)
+    check_llama4_block_rows(Fp8Layout(weight_block_size=None), head_dim=256)
+    with pytest.raises(ValueError, match="multiple of head_dim 256"):
+        check_llama4_block_rows(Fp8Layout(weight_block_size=(128, 128)), head_dim=256)
 
 
 # The tiny models' HF parameter names, as the families' converters name them.
