@@ -72,6 +72,11 @@ class Fp8Layout:
             raise ValueError(f"quantization_config.quant_method is {method!r}; this quantiser "
                              "writes SGLang's 'fp8' layout only (mxfp8, fp4 and int8 are not "
                              "supported)")
+        activation_scheme = quantization_config.get("activation_scheme", "dynamic")
+        if activation_scheme != "dynamic":
+            raise ValueError(f"quantization_config.activation_scheme is {activation_scheme!r}; "
+                             "static activation scales (`input_scale`) come from calibration, "
+                             "which the weight sync cannot redo: serve with 'dynamic'")
         block = quantization_config.get("weight_block_size")
         return cls(weight_block_size=tuple(block) if block is not None else None,
                    ue8m0=quantization_config.get("scale_fmt") == "ue8m0")
@@ -214,8 +219,8 @@ LLAMA4_FUSED_EXPERT_TENSORS = frozenset({"gate_up_proj", "down_proj"})
 def fp8_quantized(quantization_config: Mapping, param_names: Iterable[str]) -> set[str]:
     """The HF parameter names among `param_names` that SGLang holds in FP8 when serving a model
     with this `quantization_config`: the `.weight` of every projection module (attention,
-    MLP, shared and routed experts; Llama-4's fused expert tensors) that the config's `ignored_layers` /
-    `modules_to_not_convert` do not exclude. Embeddings, LM head, routers and norms stay in
+    MLP, shared and routed experts; Llama-4's fused expert tensors) that the config's
+    `ignored_layers` / `modules_to_not_convert` do not exclude. Embeddings, LM head, routers and norms stay in
     high precision."""
     Fp8Layout.from_quantization_config(quantization_config)  # refuses other quant methods
     ignored = _normalised_ignored(quantization_config)

@@ -66,7 +66,8 @@ def test_correction_weights_combine_tis_and_both_masks():
     train = TRAIN.clone().requires_grad_(True)
     weight, tokens, sequences = correction_weights("dapo", correction, train_logp=train,
                                                    gen_logp=GEN, sample_index=SAMPLES)
-    # min(r, 2) = [1/4, 1, 2, 2, 1/2]; tokens in [0.4, 2.5]: [F, T, F, T, T]; sequences [F, F, T, T, T].
+    # min(r, 2) = [1/4, 1, 2, 2, 1/2]; tokens in [0.4, 2.5]: [F, T, F, T, T];
+    # sequences [F, F, T, T, T].
     _eq(weight, [0.0, 0.0, 0.0, 2.0, 0.5])
     assert not weight.requires_grad
     assert tokens.tolist() == [False, True, False, True, True]

@@ -144,6 +144,8 @@ def test_scale_names_and_layout_from_config():
         block.scale_name("model.layers.0.feed_forward.experts.gate_up_proj")
     with pytest.raises(ValueError, match="'fp8' layout only"):
         Fp8Layout.from_quantization_config({"quant_method": "mxfp8"})
+    with pytest.raises(ValueError, match="activation_scheme is 'static'"):
+        Fp8Layout.from_quantization_config({"quant_method": "fp8", "activation_scheme": "static"})
     with pytest.raises(ValueError, match="NaN or inf"):
         quantize_blockwise(torch.tensor([[1.0, float("nan")]]))
 
