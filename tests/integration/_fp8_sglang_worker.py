@@ -22,7 +22,9 @@ from sglang.srt.server_args import ServerArgs, set_global_server_args_for_schedu
 from megatron_rl.weight_sync import fp8
 from models.registry import get_model_family, model_family_for_hf_config
 
-model_dir = tempfile.mkdtemp()  # a config.json for ServerArgs' resolution; no weights are read
+# A config.json for ServerArgs' resolution (no weights are read); removed when the process ends.
+model_dir_handle = tempfile.TemporaryDirectory()
+model_dir = model_dir_handle.name
 with open(f"{model_dir}/config.json", "w") as f:
     json.dump(get_model_family("qwen3_moe").hf_config("tiny"), f)
 server_args = ServerArgs(model_path=model_dir, device="cpu")
