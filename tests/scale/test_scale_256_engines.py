@@ -22,7 +22,7 @@ from megatron_rl.scaling.cost import PRESETS
 
 pytestmark = pytest.mark.integration
 
-NUM_ENGINES, PROMPTS_PER_STEP, SAMPLES, K, STEPS = 256, 256, 16, 1, 2
+NUM_ENGINES, PROMPTS_PER_STEP, SAMPLES, K, STEPS = 256, 256, 16, 1, 1
 IN_FLIGHT = (K + 1) * PROMPTS_PER_STEP * SAMPLES  # 8192: 32 per engine
 
 
