@@ -3,7 +3,7 @@ NVL72 racks: 256 engines x 4 GB200, 128 trainer GPUs), engines in a child proces
 (SimulationSettings.engines_in_child_process) so that the driver holds one socket per request
 in flight, as on a real cluster.
 
-This is the scaled-down run (8,192 requests in flight, about 13,000 served); the full one
+This is the scaled-down run (8,192 requests in flight, one step: 20,480 served); the full one
 (16,384 in flight, about 100,000 served) is benchmarks/simulated_256_engines.py, minutes of wall
 time on 2 cores. 100,000 requests in flight at once cannot run on this machine at all: the real
 client holds one socket per request in flight and the hard RLIMIT_NOFILE here is 20,000
@@ -70,4 +70,4 @@ def test_256_engines_serve_the_run_with_8192_requests_in_flight(tmp_path):
     assert check_ledger(records) == {"lost": [], "duplicated": []}
     assert [len(r["trained"]) for r in records if "step" in r] == [PROMPTS_PER_STEP] * STEPS
     print(f"256 engines, {IN_FLIGHT} requests in flight, {served} served: {wall:.0f} s wall; "
-          f"engine max batch {min(s.max_batch for s in stats)}..{report['overall']}")
+          f"smallest engine max batch {min(s.max_batch for s in stats)}; {report['overall']}")
