@@ -75,7 +75,7 @@ def test_32k_token_completions_carry_exact_versions_across_in_flight_updates(tmp
         "logging.progress_bar=false", "logging.rollout_samples=true"])
     backend = SimulatedBackend(SimulationSettings(
         hardware="GB200", model=PRESETS["scout-gb200"], token_granularity=GRANULARITY,
-        median_tokens=4 * THINKING, sigma=0.0, time_scale=20.0, record_requests=True))
+        median_tokens=4 * THINKING, sigma=0.0, time_scale=50.0, record_requests=True))
     started = time.perf_counter()
     status, _ = simulate(cfg, backend)
     wall = time.perf_counter() - started
