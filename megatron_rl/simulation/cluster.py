@@ -59,6 +59,11 @@ class SimulationSettings:
     devices_per_engine: int = 0  # 0: rollout.tp_size
     engines_per_node: int = 0  # 0: the profile's GPUs per node / devices per engine (>= 1)
     seed: int = 0
+    # Serve the engines from a child process (engine_process.py): the driver then holds one
+    # file descriptor per request in flight instead of two, as on a real cluster (this
+    # machine's hard limit of 20,000 open files allows ~9,000 requests in flight otherwise).
+    engines_in_child_process: bool = False
+    record_requests: bool = False  # EngineSettings.record_requests (per-token version checks)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,7 +180,8 @@ class SimulatedCluster:
             api_key=api_key, random_seed=cfg.seed + settings.seed,
             vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
             lengths=CompletionLengths(median_tokens=median, sigma=settings.sigma),
-            token_granularity=g)
+            token_granularity=g, record_requests=settings.record_requests)
+        self.engine_host = None  # engine_process.EngineHost with engines_in_child_process
         self.engines_per_node = settings.engines_per_node or max(
             1, self.profile.devices_per_node // devices)
         self.model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
@@ -204,6 +210,11 @@ class SimulatedCluster:
         stack.callback(loop.stop)
         cluster = cls(cfg, settings, loop, SimClock(settings.time_scale), model,
                       secrets.token_urlsafe(16))
+        if settings.engines_in_child_process:
+            from megatron_rl.simulation.engine_process import EngineHost
+
+            cluster.engine_host = EngineHost()
+            stack.callback(cluster.engine_host.close)  # after the pool's shutdown below
         cluster.generators = SimulatedGeneratorPool(cluster)
         stack.callback(cluster.generators.shutdown)
         cluster.generators.start()
@@ -290,6 +301,11 @@ class SimulatedGeneratorPool:
         settings = dataclasses.replace(self.cluster.engine_settings,
                                        random_seed=self.cluster.engine_settings.random_seed
                                        + 1000 * index + len(getattr(self, "retired", ())))
+        if self.cluster.engine_host is not None:
+            from megatron_rl.simulation.engine_process import RemoteEngine
+
+            return RemoteEngine(self.cluster.engine_host, settings, self.cluster.engine_timing,
+                                self.cluster.clock, name=self.names[index], node=node)
         return SimulatedEngine(settings, self.cluster.engine_timing, self.cluster.clock,
                                name=self.names[index], node=node)
 

@@ -99,6 +99,9 @@ class EngineSettings:
     # the KV cache holds 1/g as many, and the recipe's token budgets (max_new_tokens, prompt
     # lengths, lengths.median_tokens) are given in units of g tokens.
     token_granularity: int = 1
+    # Keep, per answered request, when each of its running segments began (EngineStats.
+    # requests): the per-token version check of the scale tests. Off by default (memory).
+    record_requests: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running_requests", "tp_size", "vocab_size", "max_chunk_steps",
@@ -130,6 +133,7 @@ class _Request:
     segment_start: int = -1  # engine step the running segment began at; -1: not running
     segment: int = 0  # running segments so far (tells stale finish-heap entries apart)
     spans: list[list[int]] = dataclasses.field(default_factory=list)  # [version, first token]
+    starts: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (token, step)
     done: bool = False
 
     @property
@@ -153,6 +157,21 @@ class EngineStats:
     # up; large when the CPU sets the pace (lower time_scale, or raise token_granularity).
     max_lag_model_s: float = 0.0
     admission_order: list[str] = dataclasses.field(default_factory=list)  # rids, first admission
+    # Priority scheduling as the control plane drives it (continuations at priority 1 with
+    # rollout.continuations_first): first admissions of a request with priority > 0, how many
+    # lower-priority requests that had arrived earlier were still queued at each of them (the
+    # requests it went ahead of), and admissions made while a higher-priority request waited
+    # (0 under SGLang's priority order; only the KV cache may hold the head back).
+    priority_admissions: int = 0
+    priority_overtaken: int = 0
+    admitted_past_priority: int = 0
+    max_queued: int = 0  # most requests waiting at once
+    # (engine step, version) at every version change: when the engine took each update.
+    version_steps: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # With EngineSettings.record_requests: (input tokens, first 16 output ids) of each answered
+    # request -> the (first output token, engine step) of each of its running segments; output
+    # token i of a segment starting at (t0, s0) was decoded at engine step s0 + i - t0.
+    requests: dict[tuple, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 
 class SimulatedEngine:
@@ -405,8 +424,11 @@ class SimulatedEngine:
             heapq.heappop(self._queue)
             if request.segment == 0:
                 self.stats.admission_order.append(request.rid)
+                self._count_priority(request)
             request.segment += 1
             request.segment_start = self._step
+            if self.settings.record_requests:
+                request.starts.append((request.generated, self._step))
             if not request.spans or request.spans[-1][0] != self.weight_version:
                 request.spans.append([self.weight_version, request.generated])
             self._running[request.rid] = request
@@ -416,6 +438,18 @@ class SimulatedEngine:
                                                request.arrival, request.segment, request))
         self.stats.prefill_tokens += prefill
         return prefill
+
+    def _count_priority(self, request: _Request) -> None:
+        """EngineStats' priority counters at `request`'s first admission (it has just left the
+        queue)."""
+        if self._queue and self._queue[0][1].priority > request.priority \
+                and not self._queue[0][1].done:
+            self.stats.admitted_past_priority += 1
+        if request.priority > 0:
+            self.stats.priority_admissions += 1
+            self.stats.priority_overtaken += sum(
+                1 for _, waiting in self._queue if not waiting.done
+                and waiting.priority < request.priority and waiting.arrival < request.arrival)
 
     def _refuse_oversized(self) -> None:
         request = heapq.heappop(self._queue)[1]
@@ -471,6 +505,8 @@ class SimulatedEngine:
 
     def _set_version(self, version: int) -> None:
         """Tokens decoded from the current step on carry `version`."""
+        if version != self.weight_version:  # a sync labels it twice (the bucket, the call)
+            self.stats.version_steps.append((self._step, version))
         self.weight_version = version
         for request in self._running.values():
             tokens = self._tokens_now(request)
@@ -516,6 +552,8 @@ class SimulatedEngine:
         if request.stop_token is not None:
             ids[-1] = request.stop_token
         ids, logprobs = ids[:num_tokens].tolist(), np.round(logprobs[:num_tokens], 6).tolist()
+        if self.settings.record_requests and finish_reason["type"] != "abort":
+            self.stats.requests[(len(request.input_ids), tuple(ids[:16]))] = request.starts
         spans = []
         for (version, start), following in itertools.zip_longest(
                 request.spans, request.spans[1:], fillvalue=None):
@@ -605,6 +643,7 @@ class SimulatedEngine:
         for request in requests:
             self._requests[request.rid] = request
             heapq.heappush(self._queue, (request.queue_key, request))
+        self.stats.max_queued = max(self.stats.max_queued, len(self._queue))
         if len(self._running) < self.settings.max_running_requests:
             self._wake.set()  # a free slot: admit it at the next step, not after the chunk
         try:
