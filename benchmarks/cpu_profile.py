@@ -161,8 +161,8 @@ def fit(engine: dict, trainer: dict, provenance: dict):
                         [[d["batch"], d["context_tokens"]] for d in engine["decode"]],
                         [d["step_s"] for d in engine["decode"]])
     # The N = 1 call = prefill (with the HTTP round trip) + one decode step at the prompt.
-    prefill_s = [f["first_s"] - decode.__call__(batch=f["batch"],
-                                                context_tokens=f["batch"] * f["prompt"])
+    prefill_s = [f["first_s"] - decode(batch=f["batch"],
+                                       context_tokens=f["batch"] * f["prompt"])
                  for f in engine["first"]]
     prefill = fit_linear(["tokens"], [[f["batch"] * f["prompt"]] for f in engine["first"]],
                          [max(s, 1e-6) for s in prefill_s])

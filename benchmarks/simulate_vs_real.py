@@ -18,7 +18,9 @@ run's TensorBoard scalars:
 - step time: mean perf/step_seconds (simulated: x time scale = model seconds);
 - generator busy share: perf/generator_busy_fraction weighted by step time;
 - staleness histogram: the trained tokens' share at lag 0..k (rollout/staleness/lag_*);
-- besides: the trainer's perf/train_seconds and weight_sync/seconds per step.
+- besides, to place a gap: the generator's completion tokens per second of step
+  (perf/generation_tokens_per_s weighted by step time), the trainer's perf/train_seconds and
+  weight_sync/seconds per step.
 The table gives medians and the spread (min-max) over repeats, and the error of the medians
 against the goals of issue 38: 15 % on step time, 0.05 on busy share.
 
@@ -82,6 +84,8 @@ def summarize(scalars: dict[str, dict[int, float]], steps: int, k: int,
     return {"step_s": statistics.fmean(step_s),
             "busy": sum(b * s for b, s in zip(busy, step_s)) / sum(step_s),
             "staleness": [n / total for n in lags],
+            "gen_tok_s": sum(t * s for t, s in zip(per_step("perf/generation_tokens_per_s"),
+                                                   step_s)) / sum(step_s),
             "train_s": statistics.fmean(per_step("perf/train_seconds")) * time_scale,
             "sync_s": statistics.fmean(per_step("weight_sync/seconds")) * time_scale}
 
@@ -101,8 +105,8 @@ def print_table(results: dict, steps: int) -> list[dict]:
     from rich.table import Table
 
     table = Table(title=f"tiny recipe, steps 2..{steps}: median (min-max) over the repeats")
-    for column in ("k", "run", "step s", "gen busy", "staleness share lag 0..k", "train s",
-                   "sync s"):
+    for column in ("k", "run", "step s", "gen busy", "staleness share lag 0..k", "gen tok/s",
+                   "train s", "sync s"):
         table.add_column(column, justify="right")
     verdicts = []
     for k, by_kind in results.items():
@@ -112,7 +116,8 @@ def print_table(results: dict, steps: int) -> list[dict]:
                 continue
             table.add_row(str(k), kind, _cell(rows, "step_s", ".3f"), _cell(rows, "busy", ".2f"),
                           " / ".join(_cell(rows, "staleness", ".2f", i) for i in range(k + 1)),
-                          _cell(rows, "train_s", ".3f"), _cell(rows, "sync_s", ".3f"))
+                          _cell(rows, "gen_tok_s", ".0f"), _cell(rows, "train_s", ".3f"),
+                          _cell(rows, "sync_s", ".3f"))
         real, sim = by_kind["real"], by_kind["simulated"]
         if real and sim:
             step_err = _med(sim, "step_s") / _med(real, "step_s") - 1.0
