@@ -2,8 +2,10 @@
 model's formulas and a hardware profile) on a fast simulated clock, so that the real control
 plane (the async client, the rollout manager, the driver) runs at production scale on a CPU.
 
-- profiles.py: hardware profiles (H100, H200, B200, GB200 from scaling/hardware.py; a `cpu`
-  placeholder) with the links a weight push and a checkpoint use;
+- profiles.py: hardware profiles (H100, H200, B200, GB200 from scaling/hardware.py; `cpu`,
+  measured on this machine by benchmarks/cpu_profile.py) with the links a weight push and a
+  checkpoint use;
+- measured.py: a measured profile's fitted times, used in place of the cost model's roofline;
 - clock.py: the shared simulated clock (model time = wall time x time_scale);
 - timing.py: an engine's decode / prefill / weight-load times and KV capacity;
 - engine.py: the simulated SGLang server (HTTP API, continuous batching, KV retraction,

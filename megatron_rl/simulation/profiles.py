@@ -12,16 +12,19 @@ Checkpoint storage bandwidth per node is an assumption (a parallel file system a
 node), not a spec; `link_efficiency` (the achieved fraction of a link's peak) is a knob like the
 cost model's MFU.
 
-The `cpu` profile is a placeholder for this machine's real SGLang CPU engine and Megatron CPU
-trainer: its figures are rough guesses until a benchmark in benchmarks/ measures them
-(`measured=False` says so; docs/simulation.md lists it as not yet done).
+The `cpu` profile is this machine's real SGLang CPU engine and Megatron CPU trainer, measured by
+benchmarks/cpu_profile.py into cpu_profile.json next to this file (`measured=True`; its timing is
+measured.py's fitted coefficients, not the roofline: docs/simulation.md, "Against real runs on
+this machine"). Without that file it falls back to placeholder figures (`measured=False`).
 """
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from megatron_rl.scaling.cost import CostConfig
 from megatron_rl.scaling.hardware import ACCELERATORS, Accelerator
+from megatron_rl.simulation.measured import MeasuredCosts
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -36,8 +39,14 @@ class HardwareProfile:
     storage_gb_per_s_per_node: float  # checkpoint writes and reads
     link_efficiency: float = 0.8  # achieved fraction of a link's peak
     measured: bool = False  # True once a benchmark measured the figures (the cpu profile)
+    # Measured profiles: fitted times (measured.py) that timing.py and trainer.py use in place
+    # of the cost model's roofline.
+    measured_costs: MeasuredCosts | None = None
 
     def __post_init__(self) -> None:
+        if self.measured != (self.measured_costs is not None):
+            raise ValueError(f"HardwareProfile {self.name}: measured={self.measured} needs "
+                             "measured_costs given exactly when measured is True")
         for name in ("devices_per_node", "nvlink_domain", "nvlink_gb_per_s",
                      "scale_out_gb_per_s", "storage_gb_per_s_per_node"):
             if getattr(self, name) <= 0:
@@ -75,10 +84,23 @@ def _gpu(name: str, *, nvlink_domain: int, nvlink_gb_per_s: float) -> HardwarePr
                            scale_out_gb_per_s=50.0, storage_gb_per_s_per_node=10.0)
 
 
-# Placeholder figures for a 2-core CPU machine (bf16 matmuls on 2 cores, DDR bandwidth); to be
-# replaced by the benchmark's measurements.
+# Placeholder figures for a 2-core CPU machine (bf16 matmuls on 2 cores, DDR bandwidth): only
+# the KV capacity (when the recipe gives no max_total_tokens) and checkpoint times still use them
+# once the profile is measured.
 CPU_ACCELERATOR = Accelerator(name="cpu", bf16_tflops=0.1, fp8_tflops=0.1, hbm_gb_per_s=10.0,
                               memory_gb=16.0)
+CPU_PROFILE_JSON = Path(__file__).with_name("cpu_profile.json")  # benchmarks/cpu_profile.py
+
+
+def cpu_profile(path: Path = CPU_PROFILE_JSON) -> HardwareProfile:
+    """This machine: measured when benchmarks/cpu_profile.py has written `path`, else the
+    placeholder figures (measured=False)."""
+    costs = MeasuredCosts.load(path) if path.is_file() else None
+    return HardwareProfile(accelerator=CPU_ACCELERATOR, devices_per_node=1, nvlink_domain=1,
+                           nvlink_gb_per_s=5.0, scale_out_gb_per_s=1.0,
+                           storage_gb_per_s_per_node=0.5, measured=costs is not None,
+                           measured_costs=costs)
+
 
 PROFILES: dict[str, HardwareProfile] = {
     "H100": _gpu("H100", nvlink_domain=8, nvlink_gb_per_s=450.0),
@@ -87,9 +109,7 @@ PROFILES: dict[str, HardwareProfile] = {
     # A GB200 NVL72 compute tray holds 4 GPUs (2 Grace-Blackwell superchips): a node loss
     # takes 4 GPUs, while NVLink spans the 72 of the rack.
     "GB200": _gpu("GB200", nvlink_domain=72, nvlink_gb_per_s=900.0),
-    "cpu": HardwareProfile(accelerator=CPU_ACCELERATOR, devices_per_node=1, nvlink_domain=1,
-                           nvlink_gb_per_s=5.0, scale_out_gb_per_s=1.0,
-                           storage_gb_per_s_per_node=0.5, measured=False),
+    "cpu": cpu_profile(),
 }
 
 

@@ -6,6 +6,10 @@ compute_seconds, kv_free_bytes, ...) on a hardware profile (profiles.py) and the
 efficiency knobs of a CostConfig, so that `megatron-rl simulate` and `megatron-rl cost` agree on
 every figure both compute. The cost model uses the steady-state batch and mean context; the
 simulator uses the batch and context each step actually has.
+
+A measured profile (the `cpu` profile: `HardwareProfile.measured_costs`, measured.py) replaces
+the decode step, the prefill and the weight update by the benchmark's fitted times, and joining
+a weight-update group costs nothing (the real run joins once, at connection).
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ class EngineTiming:
         if self.devices_per_engine < 0:
             raise ValueError(f"devices_per_engine={self.devices_per_engine} must be >= 0 "
                              "(0 = the cost model's choice)")
+        if self.profile.measured_costs is not None:
+            object.__setattr__(self, "init_group_seconds", 0.0)
         if self.devices_per_engine == 0:
             object.__setattr__(self, "devices_per_engine", cost._auto_engine_size(
                 self.model, self.profile.accelerator, cost.generator_weight_bytes(self.model)))
@@ -50,18 +56,25 @@ class EngineTiming:
 
     def decode_step_seconds(self, batch: int, context_tokens: float) -> float:
         """One decode step of `batch` running sequences holding `context_tokens` KV tokens."""
+        if self.profile.measured_costs is not None:
+            return self.profile.measured_costs.decode_step_seconds(batch, context_tokens)
         return cost.decode_step(self.model, self.profile.accelerator, self.devices_per_engine,
                                 batch, context_tokens)[0]
 
     def prefill_seconds(self, num_tokens: int) -> float:
         """Prefill of `num_tokens` tokens (2N FLOPs each, at prefill_mfu)."""
+        if self.profile.measured_costs is not None:
+            return self.profile.measured_costs.prefill_seconds(num_tokens)
         return cost.compute_seconds(2.0 * self.model.num_active_params * num_tokens,
                                     self.profile.accelerator, self.model.generator_precision,
                                     self.model.prefill_mfu, self.devices_per_engine)
 
     def weight_load_seconds(self, num_bytes: float) -> float:
         """Receiving one broadcast weight bucket of `num_bytes` (every rank of the engine gets
-        the whole bucket, so the per-GPU link bounds it)."""
+        the whole bucket, so the per-GPU link bounds it). A measured profile: the measured
+        time of one whole weight update (the simulated push sends one bucket per update)."""
+        if self.profile.measured_costs is not None:
+            return self.profile.measured_costs.weight_update_s
         return num_bytes / self.profile.link_bytes_per_s(
             same_nvlink_domain=self.weights_over_nvlink)
 

@@ -5,7 +5,8 @@ checkpoint save, and pushing the weights to the generators.
 The same formulas as `megatron-rl cost` (megatron_rl.scaling.cost): trained tokens x 6N (+2N for
 a reference model) / (train_mfu x peak x devices), 2N per scored token at the same MFU; bytes
 over the links of the hardware profile (profiles.py) for the weight push and the checkpoint.
-This module only times; the simulated trainer group that the driver calls (and that sleeps these
+A measured profile (`HardwareProfile.measured_costs`: the `cpu` profile) replaces the training
+step and scoring by the benchmark's fitted times (measured.py). This module only times; the simulated trainer group that the driver calls (and that sleeps these
 durations on the SimClock) is built on it in the cluster layer.
 """
 from __future__ import annotations
@@ -40,12 +41,16 @@ class TrainerTiming:
     def score_seconds(self, num_tokens: int) -> float:
         """Log-probs of `num_tokens` tokens under the current policy (and the reference model,
         if any): a forward pass, 2N FLOPs per token each."""
+        if self.profile.measured_costs is not None:
+            return self.profile.measured_costs.score_seconds(num_tokens)
         passes = 2.0 if self.model.reference_model else 1.0
         return self._seconds(passes * 2.0 * self.model.num_active_params * num_tokens)
 
     def train_step_seconds(self, num_tokens: int) -> float:
         """One optimizer step over `num_tokens` trained tokens: 6N per token (+2N reference),
         the cost model's train_device_seconds divided over the group."""
+        if self.profile.measured_costs is not None:
+            return self.profile.measured_costs.train_step_seconds(num_tokens)
         return self._seconds(cost.train_flops_per_token(self.model) * num_tokens)
 
     @property

@@ -59,11 +59,11 @@ def test_paper_8b_on_h100_by_hand():
     assert over_nvlink.weight_push_seconds() == pytest.approx(weights / (450e9 * 0.8))
 
 
-def test_profiles_use_the_cost_models_accelerators_and_the_cpu_one_is_a_placeholder():
+def test_profiles_use_the_cost_models_accelerators_and_the_cpu_one_is_measured():
     for name in ("H100", "H200", "B200", "GB200"):
         assert PROFILES[name].accelerator is ACCELERATORS[name]
     assert PROFILES["GB200"].nvlink_domain == 72 and PROFILES["H100"].nvlink_domain == 8
-    assert not PROFILES["cpu"].measured
+    assert PROFILES["cpu"].measured  # benchmarks/cpu_profile.py (test_simulation_measured.py)
     scout_on_cpu = PROFILES["cpu"].cost_config(PRESETS["scout-gb200"])
     assert scout_on_cpu.hardware == "GB200"  # the cost model has no cpu; the profile times
     assert PROFILES["B200"].cost_config(PRESETS["paper-8b"]).hardware == "B200"
