@@ -39,7 +39,7 @@ def recipe(tmp_path, *overrides):
         f"rollout.num_generators={NUM_ENGINES}", f"rollout.samples_per_prompt={SAMPLES}",
         f"rollout.max_off_policyness={K}",
         f"train.global_batch_size={PROMPTS_PER_STEP * SAMPLES}",
-        # Token budgets in units of the granularity below (256 model tokens each).
+        # Token budgets in units of the granularity (settings()).
         "rollout.max_prompt_tokens=256", "rollout.thinking_budget=24",
         "rollout.thinking_budget_min=16", "rollout.solution_budget=8",
         "train.micro_batch_max_tokens=512", "eval.interval_steps=0", "eval.at_step_zero=false",
@@ -50,10 +50,12 @@ def recipe(tmp_path, *overrides):
         "weight_sync.timeout_s=3", "rollout.max_generator_restarts=3", *overrides])
 
 
-def settings():
+def settings(granularity: int = 256):
+    """Granularity 256: a completion takes ~50 model s, so that the faults land in generation."""
     from megatron_rl.simulation.cluster import SimulationSettings
 
-    return SimulationSettings(hardware="H100", model=PRESETS["paper-8b"], token_granularity=256,
+    return SimulationSettings(hardware="H100", model=PRESETS["paper-8b"],
+                              token_granularity=granularity,
                               median_tokens=12, sigma=0.5, time_scale=TIME_SCALE,
                               engines_per_node=ENGINES_PER_NODE)
 
@@ -154,8 +156,9 @@ def test_engines_dying_hanging_slowing_and_a_lost_node_of_8_recover_concurrently
             if entry["kind"] == "hang":  # detected by the health checks' timeouts
                 assert any(names(f, name) and "no health answer" in f["what"]
                            for f in recovered), name
-    # Each engine that came up was taken back into the rotation (one recovery record each).
-    assert len(recovered) == sum(r["up_model_s"] != "failed" for r in pool.restarts)
+    # Every engine restarted was taken back into the rotation, at least once (one that failed
+    # again before, e.g. a random death of a restarted engine, was restarted again).
+    assert len(recovered) >= len({r["index"] for r in pool.restarts})
 
     # The lost node's engines restarted together: all asked before any was up, all up within
     # about one start time of the first ask (serially it would be 8), on one spare node.
@@ -197,7 +200,7 @@ def test_a_lost_trainer_node_stops_the_run_with_75_and_a_resume_finishes_it(tmp_
     overrides = [f"rollout.num_generators={engines}", f"train.num_steps={steps}",
                  "checkpoint.interval_steps=1"]
     plan = FaultPlan.parse("trainer-node@step2")
-    backend = SimulatedBackend(settings(), on_start=plan.install)
+    backend = SimulatedBackend(settings(64), on_start=plan.install)
     with pytest.raises(NodeLost) as stopped:
         train(recipe(tmp_path, *overrides), backend)
     message = str(stopped.value)
@@ -210,7 +213,7 @@ def test_a_lost_trainer_node_stops_the_run_with_75_and_a_resume_finishes_it(tmp_
     assert lost["kind"] == "trainer-node" and lost["step"] >= 2
 
     out = tmp_path / "run"
-    resumed = SimulatedBackend(settings())
+    resumed = SimulatedBackend(settings(64))
     status, report = simulate(recipe(tmp_path, *overrides, "checkpoint.resume=always"), resumed)
     assert status == 0
     records = read_jsonl(out / "ledger.jsonl")
