@@ -265,8 +265,11 @@ class SimulatedCluster:
     def lose_node(self, node_id: str) -> None:
         """A node of the run is gone: its engines die together; the cluster's node table says
         so; a trainer call under way on it fails (SimulatedTrainerGroup._sleep)."""
+        address = next((n.node_ip for n in self.trainers.nodes if n.node_id == node_id), None) \
+            or next((_node_ip(e.node) for e in self.generators.engines
+                     if _node_id(e.node) == node_id), "simulated")
         with self._lost_lock:
-            self._lost[node_id] = "simulated"
+            self._lost[node_id] = address  # the message names it (node_lost_message)
         dying = [e for e in self.generators.engines if _node_id(e.node) == node_id]
 
         async def kill_all():
