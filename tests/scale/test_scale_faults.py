@@ -153,7 +153,7 @@ def test_engines_dying_hanging_slowing_and_a_lost_node_of_8_recover_concurrently
                     if names(f, name) and plan.model_time(f["recovered_at"]) >= ok[0]["up_model_s"]]
             assert back, (entry, name)
             assert back[0] - entry["model_s"] <= bound, (entry, name, back[0])
-            took.append(back[0] - entry["model_s"])
+            took.append((back[0] - entry["model_s"], entry["kind"], name))
             if entry["kind"] == "hang":  # detected by the health checks' timeouts
                 assert any(names(f, name) and "no health answer" in f["what"]
                            for f in recovered), name
@@ -170,7 +170,8 @@ def test_engines_dying_hanging_slowing_and_a_lost_node_of_8_recover_concurrently
     assert max(r["up_model_s"] for r in lost) - first_ask < 2 * start_s
     assert {r["node"] for r in lost} == {NUM_ENGINES // ENGINES_PER_NODE}  # the first spare
     print(f"recoveries (injection -> back in the rotation, model s): {len(took)}, "
-          f"median {sorted(took)[len(took) // 2]:.0f}, max {max(took):.0f} (bound {bound:.0f}); "
+          f"median {sorted(took)[len(took) // 2][0]:.0f}, max {max(took)[0]:.0f} "
+          f"({max(took)[1]} {max(took)[2]}; bound {bound:.0f}); "
           f"node {node['node']}: {len(lost)} restarts asked within "
           f"{max(r['asked_model_s'] for r in lost) - first_ask:.1f} model s, all up "
           f"{max(r['up_model_s'] for r in lost) - first_ask:.1f} model s after the first ask "
