@@ -11,6 +11,11 @@ from collections.abc import Callable
 from megatron_rl.config import RunConfig
 from megatron_rl.console import notice
 
+# Tries of one push: a generator that fails during a sync is taken out and the sync retried;
+# another may fail during the retry (at scale, or a node's engines failing one by one), which
+# must not stop the run while others are up. Bounded: a sync that keeps failing is no engine's.
+SYNC_ATTEMPTS = 3
+
 
 class WeightPusher:
     """`urls()` gives the engines' current URLs (a restart may change them), `clients` the run's
@@ -52,8 +57,8 @@ class WeightPusher:
     def push(self, sync: Callable, check_generators: Callable[..., None]):
         """Sync the new weights into the engines (`sync()` runs the trainer group's sync and
         returns its report); a generator that fails during the sync is restarted
-        (`check_generators`) and the sync retried once. Returns (report, generator-seconds of
-        requests held by the pause)."""
+        (`check_generators`) and the sync retried, SYNC_ATTEMPTS tries in all. Returns (report,
+        generator-seconds of requests held by the pause)."""
         from megatron_rl.rollout import SGLangGenerator
         from megatron_rl.rollout.async_client import activity_since
         from megatron_rl.weight_sync import WeightSyncError
@@ -62,12 +67,16 @@ class WeightPusher:
             self._resume(SGLangGenerator.MEMORY_WEIGHTS)
         check_generators(now=True)  # a dead generator is restarted before, not during
         before = self._activity()
-        try:
-            report = sync()
-        except WeightSyncError as exc:  # a generator failed during the sync: restart, retry
-            notice(f"{str(exc).splitlines()[0][:300]}; checking the generators and retrying")
-            check_generators(now=True, strikes=1)  # a failed sync is the first strike
-            report = sync()
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
+            try:
+                report = sync()
+                break
+            except WeightSyncError as exc:  # a generator failed during the sync: restart, retry
+                if attempt == SYNC_ATTEMPTS:
+                    raise
+                notice(f"{str(exc).splitlines()[0][:300]}; checking the generators and "
+                       f"retrying (attempt {attempt + 1} of {SYNC_ATTEMPTS})")
+                check_generators(now=True, strikes=1)  # a failed sync is the first strike
         after = self._activity()
         if self.released:
             self._resume(SGLangGenerator.MEMORY_AFTER_WEIGHTS)

@@ -7,9 +7,11 @@ only `megatron-rl simulate` and the scale tests choose it.
 
 - `SimulatedGeneratorPool`: GeneratorPool's methods (serving, endpoints, restart, replace,
   poll_replacements, unhealthy, check_health, shutdown; `connected`). A restart starts a fresh
-  engine (version 0, a new port) without waiting; `poll_replacements` reports it. A lost node's
-  engines are re-created on a spare node at once (Ray would place them on another node with
-  room; waiting for the lost node to come back is not modelled).
+  engine (version 0, a new port) without waiting; it serves after EngineTiming.start_seconds
+  (launch and the weights from disk) of model time, and `poll_replacements` then reports it;
+  `restarts` records each (asked, up, in model seconds). A lost node's engines are re-created
+  on spare nodes, engines_per_node to a node (Ray would place them on another node with room;
+  waiting for the lost node to come back is not modelled).
 - `SimulatedTrainerGroup`: TrainerGroup's methods. `train_step` sleeps TrainerTiming's step time
   for the batch's tokens (x token_granularity) and returns StepMetrics' fields with plausible
   values (no model: loss 0, ratio 1, mismatch 0, entropy the engines' mean -log-prob);
@@ -18,6 +20,9 @@ only `megatron-rl simulate` and the scale tests choose it.
   labels the version and continues them, all over HTTP as the real WeightSync does;
   `save_checkpoint` writes a small JSON state (the run checkpoint's own files are written by the
   real code path, resilience/run_checkpoints.py) and takes TrainerTiming's checkpoint time.
+  A call under way when a trainer node is lost fails with TrainerFailure (as a dead Ray actor
+  does); a sync that an engine fails (refused, or no answer within weight_sync.timeout_s)
+  raises WeightSyncError, as the real WeightSync does, after ending the session on the others.
 - Rewards are the recipe's real verifiers on the decoded simulated token ids, which never pass:
   every reward is 0 and every group has zero variance (the zero-variance filter drops them and
   the trainer step is skipped unless `algorithm.zero_variance_filter=false`).
@@ -30,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -189,6 +195,7 @@ class SimulatedCluster:
         self.num_devices = total
         self.api_key = api_key
         self._lost: dict[str, str] = {}  # node id -> address, of the nodes lost
+        self._lost_lock = threading.Lock()  # the fault thread writes _lost, the driver reads it
         self.generators: SimulatedGeneratorPool | None = None
         self.trainers: SimulatedTrainerGroup | None = None
 
@@ -235,7 +242,8 @@ class SimulatedCluster:
     # ------------------------------------------------------------------ RunCluster's interface
 
     def lost_nodes(self, node_ids: Iterable[str], *, within_s: float = 0.0) -> dict[str, str]:
-        return {n: self._lost[n] for n in node_ids if n in self._lost}
+        with self._lost_lock:
+            return {n: self._lost[n] for n in node_ids if n in self._lost}
 
     def write_processes(self, out: Path) -> None:
         from megatron_rl.cluster.launch import write_processes
@@ -266,11 +274,27 @@ class SimulatedCluster:
     # ------------------------------------------------------------------ faults
 
     def lose_node(self, node_id: str) -> None:
-        """A node of the run is gone: its engines die; the cluster's node table says so."""
-        self._lost[node_id] = "simulated"
-        for engine in self.generators.engines:
-            if _node_id(engine.node) == node_id:
-                self.loop.call(engine.kill())
+        """A node of the run is gone: its engines die together; the cluster's node table says
+        so; a trainer call under way on it fails (SimulatedTrainerGroup._sleep)."""
+        address = next((n.node_ip for n in self.trainers.nodes if n.node_id == node_id), None) \
+            or next((_node_ip(e.node) for e in self.generators.engines
+                     if _node_id(e.node) == node_id), "simulated")
+        with self._lost_lock:
+            self._lost[node_id] = address  # the message names it (node_lost_message)
+        dying = [e for e in self.generators.engines if _node_id(e.node) == node_id]
+
+        async def kill_all():
+            await asyncio.gather(*(engine.kill() for engine in dying))
+
+        if dying:
+            self.loop.call(kill_all())
+
+    def generator_nodes(self) -> dict[int, list[int]]:
+        """{node: generator indices} of the engines serving now (for fault plans)."""
+        nodes: dict[int, list[int]] = {}
+        for index, engine in enumerate(self.generators.engines):
+            nodes.setdefault(engine.node, []).append(index)
+        return nodes
 
     def engine_stats(self) -> dict[str, float]:
         from megatron_rl.simulation.engine import sum_stats
@@ -291,6 +315,10 @@ class SimulatedGeneratorPool:
         self._endpoints: list = [None] * count
         self._replacing: dict[int, object] = {}  # index -> concurrent Future of its restart
         self._spare_node = (count - 1) // cluster.engines_per_node + 1
+        self._spare_used = 0  # engines placed on the spare node so far
+        # One record per restart: index, name, node, asked_model_s, up_model_s (None until the
+        # engine serves, or "failed"); model seconds on the cluster's clock.
+        self.restarts: list[dict] = []
         self.connected: set[str] = set()
         self.call_timeout_s = cluster.cfg.rollout.health_check_timeout_s
         self._stopped = False
@@ -348,16 +376,31 @@ class SimulatedGeneratorPool:
         """A fresh engine for generator `index` (version 0, a new port), not waited for. On a
         lost node it starts on a spare node (as Ray re-places a bundle on a node with room)."""
         node = self.engines[index].node
-        if _node_id(node) in self.cluster._lost:
-            node, self._spare_node = self._spare_node, self._spare_node + 1
+        if self.cluster.lost_nodes([_node_id(node)]):
+            if self._spare_used == self.cluster.engines_per_node:
+                self._spare_node, self._spare_used = self._spare_node + 1, 0
+            node, self._spare_used = self._spare_node, self._spare_used + 1
         old, self._endpoints[index] = self.engines[index], None
         new = self._new_engine(index, node)
         self.retired.append(old)
         self.engines[index] = new
+        clock = self.cluster.clock
+        record = {"index": index, "name": self.names[index], "node": node,
+                  "asked_model_s": clock.now(), "up_model_s": None}
+        self.restarts.append(record)
 
         async def replace():
             await old.kill()
-            await new.start()
+            # A real restart is not instant: the server launches and loads the checkpoint.
+            await clock.sleep(self.cluster.engine_timing.start_seconds())
+            try:
+                if self.cluster.lost_nodes([_node_id(node)]):  # the node went while it started
+                    raise RuntimeError(f"its node {_node_id(node)} was lost while it started")
+                await new.start()
+            except BaseException:
+                record["up_model_s"] = "failed"
+                raise
+            record["up_model_s"] = clock.now()
 
         self._replacing[index] = self.loop.submit(replace())
 
@@ -455,8 +498,24 @@ class SimulatedTrainerGroup:
         return len(self.nodes)
 
     def _sleep(self, what: str, model_seconds: float) -> None:
+        """Sleep `model_seconds` of model time; a lost trainer node ends it (TrainerFailure, as
+        a Ray actor's death does to the real group's call)."""
         self.modelled_s[what] += model_seconds
-        time.sleep(self.cluster.clock.wall_delay(model_seconds))
+        end = time.monotonic() + self.cluster.clock.wall_delay(model_seconds)
+        while True:
+            self._raise_if_node_lost(what)
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
+
+    def _raise_if_node_lost(self, what: str) -> None:
+        from megatron_rl.resilience.recovery import TrainerFailure
+
+        lost = self.cluster.lost_nodes({n.node_id for n in self.nodes})
+        if lost:
+            raise TrainerFailure(f"simulated trainer rank(s) on lost node(s) {sorted(lost)} "
+                                 f"died during {what}")
 
     def call(self, method: str, *args, timeout_s: float | None = None, **kwargs):
         if self._stopped:
@@ -533,10 +592,11 @@ class SimulatedTrainerGroup:
 
         from megatron_rl.rollout import GeneratorError
         from megatron_rl.scaling.cost import generator_weight_bytes
-        from megatron_rl.weight_sync.sync import SyncReport
+        from megatron_rl.weight_sync.sync import SyncReport, WeightSyncError
 
         if self._stopped:
             raise RuntimeError("the trainer group has been shut down")
+        self._raise_if_node_lost("a weight sync")
         num_bytes = int(generator_weight_bytes(self.timing.model))
         headers = {"Authorization": f"Bearer {self.cluster.api_key}"}
         group = f"simulated-sync-{version}"
@@ -551,7 +611,25 @@ class SimulatedTrainerGroup:
                     raise GeneratorError(f"{url}{path}: {response.status} {answer}")
 
         async def everywhere(session, path, body):
-            await asyncio.gather(*(post(session, url, path, body) for url in urls))
+            # Every engine answers or fails (refused, or no answer within weight_sync.
+            # timeout_s: hung) before the sync gives up, as the real WeightSync's wait does.
+            results = await asyncio.gather(*(post(session, url, path, body) for url in urls),
+                                           return_exceptions=True)
+            failed = {url: r for url, r in zip(urls, results) if isinstance(r, BaseException)}
+            if failed:
+                await end_session(session, [u for u in urls if u not in failed])
+                first = next(iter(failed.items()))
+                raise WeightSyncError(
+                    f"weight sync to version {version}: {len(failed)} of {len(urls)} engine(s) "
+                    f"failed at {path}, e.g. {first[0]}: {type(first[1]).__name__}: "
+                    f"{str(first[1])[:200] or 'no answer'}")
+
+        async def end_session(session, healthy):
+            """The engines that answered leave the failed sync (its session ended, generation
+            continued), so that the driver's retry can begin a new one."""
+            await asyncio.gather(*(post(session, url, path, {}) for url in healthy
+                                   for path in ("/end_weight_update", "/continue_generation")),
+                                 return_exceptions=True)
 
         async def push():
             started = time.perf_counter()
@@ -577,7 +655,10 @@ class SimulatedTrainerGroup:
             done = time.perf_counter()
             return started, paused, loading, loaded, done
 
-        started, paused, loading, loaded, done = self.cluster.loop.call(push())
+        # Each of the 8 phases may wait weight_sync.timeout_s for a hung engine: the loop call's
+        # own default (a minute) would turn that wait into a TimeoutError, i.e. a trainer failure.
+        started, paused, loading, loaded, done = self.cluster.loop.call(
+            push(), timeout=9 * self.cluster.cfg.weight_sync.timeout_s + 60.0)
         self.pushed.update({url: version for url in urls})  # every call above succeeded
         self.modelled_s["weight_push"] += (done - started) * self.cluster.clock.time_scale
         return SyncReport(version=version, num_bytes=num_bytes, num_tensors=1, num_buckets=1,

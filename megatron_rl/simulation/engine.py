@@ -152,6 +152,7 @@ class EngineStats:
     retractions: int = 0
     finished: int = 0
     aborted: int = 0
+    dropped: int = 0  # requests in flight (queued or running) when it died
     busy_model_s: float = 0.0  # model seconds spent decoding, prefilling and loading weights
     # How far behind the clock the engine fell (model seconds): near 0 while the process keeps
     # up; large when the CPU sets the pace (lower time_scale, or raise token_granularity).
@@ -224,8 +225,10 @@ class SimulatedEngine:
         app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
         app.add_routes(self._routes())
         # handler_cancellation: a client that goes away aborts its request (as SGLang does);
-        # shutdown_timeout 0: a killed engine drops its connections at once.
-        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.0,
+        # shutdown_timeout 1 ms: a killed engine drops its connections at once (0 would mean no
+        # limit to aiohttp: a kill would wait for every client with a request in flight to
+        # give up).
+        runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1e-3,
                                access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port, backlog=4096)
@@ -247,14 +250,15 @@ class SimulatedEngine:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        if self._runner is not None:
-            await self._runner.cleanup()  # cancels the handlers, closes their connections
-        for request in self._requests.values():
+        for request in self._requests.values():  # before the cleanup: its handlers end now
             if not request.future.done():
                 request.future.cancel()
+                self.stats.dropped += 1
         for _, future in self._ops:
             if not future.done():
                 future.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()  # cancels the handlers, closes their connections
         self._reset()
         self._runner = self._loop_task = None
 
@@ -276,6 +280,11 @@ class SimulatedEngine:
             raise ValueError(f"slow_down factor {factor} must be > 0")
         self.slowdown = factor
         self._wake.set()  # from the current step on, not after the chunk under way
+
+    @property
+    def hung(self) -> bool:
+        """Whether it stopped answering (`hang()`), until `unhang()` or its death."""
+        return self.alive and self._hung is not None and not self._hung.is_set()
 
     @property
     def num_running(self) -> int:

@@ -31,6 +31,9 @@ class EngineTiming:
     # e.g. one NVL72 rack) or over the scale-out network.
     weights_over_nvlink: bool = False
     init_group_seconds: float = 2.0  # joining a weight-update group (NCCL communicator set-up)
+    # A (re)started SGLang server before it loads weights: process start, imports, NCCL and
+    # CUDA-graph capture. Assumed (not measured here): about a minute on a GPU node.
+    launch_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         if self.devices_per_engine < 0:
@@ -82,3 +85,8 @@ class EngineTiming:
         """Reloading every weight from a checkpoint folder (update_weights_from_disk)."""
         return cost.generator_weight_bytes(self.model) \
             / self.profile.storage_bytes_per_s_per_node
+
+    def start_seconds(self) -> float:
+        """A restarted engine until it serves: launch, then every weight from the checkpoint
+        folder on the node's storage (then the run's weight sync gives it the current policy)."""
+        return self.launch_seconds + self.disk_load_seconds()

@@ -431,6 +431,36 @@ def test_faults_kill_hang_slow_down_and_node_loss():
     assert len(alive.token_ids) == 10
 
 
+def test_kill_drops_the_connections_of_requests_in_flight_at_once():
+    """A killed engine does not wait for its clients to give up (aiohttp's shutdown_timeout=0
+    means no limit): a client with no timeout of its own sees the connection drop, and the
+    engine counts the requests it dropped."""
+    import aiohttp
+
+    async def scenario():
+        engine = _engine(lengths=CompletionLengths(median_tokens=30000, sigma=0.0))
+        await engine.start()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            async def generate():
+                async with session.post(f"{engine.url}/generate", json={
+                        "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 30000}}) as r:
+                    return r.status, await r.text()
+
+            request = asyncio.create_task(generate())
+            await _until_running(engine, 1)
+            engine.hang()  # nothing answers: only the kill can end the request
+            killed = asyncio.create_task(engine.kill())
+            # The guard only stops a hang of the test; the kill returns within milliseconds.
+            done, _ = await asyncio.wait({killed, request}, timeout=30,
+                                         return_when=asyncio.ALL_COMPLETED)
+            return killed in done, request in done and (request.exception()
+                                                        or request.result()), engine.stats
+
+    killed, error, stats = _run(scenario)
+    assert killed and isinstance(error, aiohttp.ClientError)
+    assert stats.dropped == 1
+
+
 def test_a_hundred_and_twenty_eight_engines_in_one_process_serve():
     async def scenario():
         settings = EngineSettings(lengths=CompletionLengths(median_tokens=50, sigma=1.0))

@@ -60,7 +60,7 @@ def cluster(tmp_path):
     model = stand_in_model(tmp_path / "model", context=4096)
     cfg = load_config("examples/configs/tiny_pipeline.yaml", [
         f"output_dir={tmp_path}", f"model.hf_checkpoint={model}", "rollout.num_generators=3",
-        "rollout.health_check_timeout_s=2"])
+        "rollout.health_check_timeout_s=2", "weight_sync.timeout_s=1"])
     with contextlib.ExitStack() as stack:
         yield SimulatedCluster.start(cfg, tmp_path, stack, SimulationSettings(
             hardware="H100", model=PRESETS["paper-8b"], time_scale=1000.0,
@@ -108,7 +108,7 @@ def test_the_node_table_and_a_lost_trainer_node(cluster, tmp_path):
     assert nodes[0] == nodes[1] != nodes[2]  # two engines a node
     assert cluster.lost_nodes(nodes) == {}
     cluster.lose_node(nodes[0])
-    assert cluster.lost_nodes(nodes) == {nodes[0]: "simulated"}
+    assert cluster.lost_nodes(nodes) == {nodes[0]: cluster.generators.endpoints[0].node_ip}
     assert not cluster.generators.engines[0].alive and not cluster.generators.engines[1].alive
     cluster.generators.restart(0)  # re-created on a spare node
     while not cluster.generators.poll_replacements():
@@ -129,3 +129,48 @@ def test_trainer_checkpoints_round_trip(cluster, tmp_path):
     assert state["extra_state"] == {"step": 3} and trainers.version == 1
     assert trainers.modelled_s["checkpoint"] == pytest.approx(
         2 * cluster.trainer_timing.checkpoint_seconds())
+
+
+def test_a_restart_takes_the_modelled_start_time(cluster):
+    """Not instant: the engine serves EngineTiming.start_seconds (launch + the weights from
+    disk) of model time after the restart was asked for."""
+    pool = cluster.generators
+    pool.restart(0)
+    while not pool.poll_replacements():
+        time.sleep(0.01)
+    [record] = pool.restarts
+    expected = cluster.engine_timing.launch_seconds + cluster.engine_timing.disk_load_seconds()
+    assert cluster.engine_timing.start_seconds() == expected
+    assert record["up_model_s"] - record["asked_model_s"] >= expected
+    assert record["index"] == 0 and pool.engines[0].alive
+
+
+def test_a_hung_engine_fails_the_sync_as_a_weight_sync_error_and_the_others_go_on(cluster):
+    """The real WeightPusher restarts a generator that failed a sync only on WeightSyncError;
+    the engines that answered leave the failed sync (session ended, generation continued), so
+    that the retry over the others succeeds."""
+    from megatron_rl.weight_sync.sync import WeightSyncError
+
+    pool, trainers = cluster.generators, cluster.trainers
+    cluster.loop.run(pool.engines[2].hang)
+    with pytest.raises(WeightSyncError, match=r"1 of 3 engine\(s\) failed at /pause_generation"):
+        trainers.sync_weights()
+    healthy = pool.engines[:2]
+    assert not any(e.paused for e in healthy)
+    trainers.connect_generators(pool.endpoints[:2], hf_config_dir=cluster.model_dir)
+    assert trainers.sync_weights().version == 1
+    assert [e.weight_version for e in pool.engines] == [1, 1, 0]
+
+
+def test_a_trainer_call_fails_when_its_node_is_lost(cluster, tmp_path):
+    """As a Ray actor's death fails the real group's call: TrainerFailure, which the driver
+    turns into NodeLost once the node table says the node is gone."""
+    from megatron_rl.resilience.recovery import TrainerFailure
+
+    trainers = cluster.trainers
+    cluster.lose_node(trainers.nodes[0].node_id)
+    with pytest.raises(TrainerFailure, match="lost node"):
+        trainers.save_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(TrainerFailure, match="lost node"):
+        trainers.sync_weights()
+
