@@ -24,7 +24,8 @@ def test_the_h20_has_its_reported_figures_and_a_profile():
         148.0, 296.0, 4000.0, 96.0)
     profile = get_profile("H20")
     assert profile.accelerator is h20
-    assert (profile.devices_per_node, profile.nvlink_domain, profile.nvlink_gb_per_s) == (8, 8, 450.0)
+    assert (profile.devices_per_node, profile.nvlink_domain, profile.nvlink_gb_per_s) \
+        == (8, 8, 450.0)
     # A batch-1 decode step of a 7.6B bf16 model on one H20 reads its 15.2 GB at 60 % of 4 TB/s.
     from megatron_rl.simulation.anchors import SHAPES
 
