@@ -11,6 +11,11 @@ decoding do not use); the dense figures below are half of those. Sources (public
 - GB200 (one Blackwell GPU of a GB200 NVL72): NVIDIA GB200 NVL72 spec (72 GPUs): FP16/BF16
   360 PFLOPS and FP8 720 PFLOPS with sparsity, 13.4 TB HBM3e, 576 TB/s -> per GPU 2,500 / 5,000
   TFLOPS dense, ~186 GB, 8 TB/s.
+- H20 (HGX H20, the export-compliant Hopper the verl figures of ../shared/ANCHOR_FIGURES.md ran
+  on): NVIDIA publishes no public datasheet; the figures reported for it (e.g.
+  willitrunai.com/gpus/h20-96gb, and the Geekbench-era press reports of Nov 2023) are FP16/BF16
+  148 TFLOPS and FP8 296 TFLOPS dense, 96 GB HBM3, 4.0 TB/s, NVLink 4 (900 GB/s
+  bidirectional), 400 W. (A later 141 GB variant exists; the 96 GB one is the one modelled.)
 Achieved fractions of these peaks (MFU, bandwidth efficiency) are cost-model knobs, not specs.
 """
 from __future__ import annotations
@@ -53,6 +58,8 @@ ACCELERATORS: dict[str, Accelerator] = {
                     memory_gb=180.0),
         Accelerator(name="GB200", bf16_tflops=2500.0, fp8_tflops=5000.0, hbm_gb_per_s=8000.0,
                     memory_gb=186.0),
+        Accelerator(name="H20", bf16_tflops=148.0, fp8_tflops=296.0, hbm_gb_per_s=4000.0,
+                    memory_gb=96.0),
     )
 }
 

@@ -2,7 +2,7 @@
 model's formulas and a hardware profile) on a fast simulated clock, so that the real control
 plane (the async client, the rollout manager, the driver) runs at production scale on a CPU.
 
-- profiles.py: hardware profiles (H100, H200, B200, GB200 from scaling/hardware.py; `cpu`,
+- profiles.py: hardware profiles (H100, H200, B200, GB200, H20 from scaling/hardware.py; `cpu`,
   measured on this machine by benchmarks/cpu_profile.py) with the links a weight push and a
   checkpoint use;
 - measured.py: a measured profile's fitted times, used in place of the cost model's roofline;
@@ -13,7 +13,9 @@ plane (the async client, the rollout manager, the driver) runs at production sca
 - trainer.py: the trainer group's score / train step / checkpoint / weight-push times.
 - cluster.py: the simulated cluster behind cluster/backend.py's seam (generator pool over
   simulated engines, trainer group sleeping TrainerTiming's durations);
-- simulate.py: `megatron-rl simulate RECIPE.yaml`, the real driver on the simulated cluster.
+- simulate.py: `megatron-rl simulate RECIPE.yaml`, the real driver on the simulated cluster;
+- anchors.py: the model shapes of the published async-vs-sync figures (benchmarks/
+  simulated_anchors.py).
 docs/simulation.md says what is modelled, what is not, and what is still to be built.
 """
 from megatron_rl.simulation.clock import SimClock

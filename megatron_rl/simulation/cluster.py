@@ -26,6 +26,12 @@ only `megatron-rl simulate` and the scale tests choose it.
 - Rewards are the recipe's real verifiers on the decoded simulated token ids, which never pass:
   every reward is 0 and every group has zero variance (the zero-variance filter drops them and
   the trainer step is skipped unless `algorithm.zero_variance_filter=false`).
+- `cluster.colocated`: the engines and the trainer share all devices (`colocated_timing`). The
+  real driver alternates them (RunSetup.train_step: wait until no group generates, release the
+  engines' memory; WeightPusher.push: resume, sync, resume the KV cache); the simulated trainer
+  group checks that no engine holds a request while it trains (`ColocatedOverlap` otherwise),
+  trains over all the devices, and adds the phase switches the real ranks make
+  (trainer/trainer.py offload_between_steps: the optimizer state to the host and back).
 """
 from __future__ import annotations
 
@@ -167,7 +173,12 @@ class SimulatedCluster:
                                       devices_per_generator=devices)
         total = self.layout.num_trainer_ranks + self.layout.num_generators * devices
         over_nvlink = total <= self.profile.nvlink_domain  # one NVLink domain (NVL72 rack)
-        self.engine_timing = EngineTiming(model=model, profile=self.profile,
+        engine_model = model
+        if cfg.cluster.colocated:
+            self.layout = dataclasses.replace(self.layout, colocated=True)
+            total, over_nvlink, engine_model = colocated_timing(
+                model, self.profile, devices, self.layout.num_trainer_ranks)
+        self.engine_timing = EngineTiming(model=engine_model, profile=self.profile,
                                           devices_per_engine=devices,
                                           weights_over_nvlink=over_nvlink)
         self.trainer_timing = TrainerTiming(model=model, profile=self.profile,
@@ -207,11 +218,6 @@ class SimulatedCluster:
         from megatron_rl.console import notice
         from megatron_rl.rollout.event_loop import RolloutLoop
 
-        if cfg.cluster.colocated:
-            from megatron_rl.config import ConfigError
-
-            raise ConfigError("cluster.colocated: the simulator models separate generator and "
-                              "trainer devices only; simulate with cluster.colocated=false")
         model = model_of(cfg, settings)
         loop = RolloutLoop(name="simulated-engines")
         stack.callback(loop.stop)
@@ -491,6 +497,10 @@ class SimulatedTrainerGroup:
         self._generators: list = []
         self._stopped = False
         self.modelled_s = {"train": 0.0, "weight_push": 0.0, "checkpoint": 0.0}
+        if cluster.layout.colocated:
+            self.modelled_s["offload"] = 0.0  # the optimizer state to the host and back
+        # Colocated: the train steps' spans on the clock (model s), for the report and tests.
+        self.train_spans: list[tuple[float, float]] = []
         self.pushed: dict[str, int] = {}  # engine URL -> the last version it confirmed
 
     @property
@@ -534,7 +544,21 @@ class SimulatedTrainerGroup:
         g = self.cluster.engine_settings.token_granularity
         num_tokens = sum(int(t.numel()) for t in batch.token_ids)
         loss_tokens = sum(int(m.sum()) for m in batch.loss_mask)
+        colocated = self.cluster.layout.colocated
+        if colocated:
+            self._check_engines_idle("begins")
+            began, busy = self.cluster.clock.now(), self._engines_busy_s()
+            self._sleep("offload", offload_seconds(self.timing))  # optimizer state back
         self._sleep("train", self.timing.train_step_seconds(num_tokens * g))
+        if colocated:
+            self._sleep("offload", offload_seconds(self.timing))  # and to the host again
+            self._check_engines_idle("ends")
+            if self._engines_busy_s() > busy:  # a request came and went meanwhile
+                raise ColocatedOverlap(
+                    f"cluster.colocated: the engines decoded {self._engines_busy_s() - busy:.3g} "
+                    "model s during a train step; generation and training share the devices "
+                    "and must alternate")
+            self.train_spans.append((began, self.cluster.clock.now()))
         self.steps += 1
         cfg = self.cluster.cfg
         micro = max(1, math.ceil(num_tokens / max(1, cfg.train.micro_batch_max_tokens)))
@@ -544,6 +568,20 @@ class SimulatedTrainerGroup:
             entropy=self.cluster.engine_settings.mean_neg_logprob, num_loss_tokens=loss_tokens,
             num_tokens=num_tokens, num_micro_batches=micro, learning_rate=cfg.train.lr,
             skipped=False, num_skipped_steps=0)
+
+    def _engines_busy_s(self) -> float:
+        return sum(e.stats.busy_model_s for e in self.cluster.generators.engines)
+
+    def _check_engines_idle(self, moment: str) -> None:
+        """Colocated: the devices are the trainer's now; an engine holding a request would be
+        generating on them (the driver releases the engines only once nothing generates)."""
+        busy = {e.name: e.num_running + e.num_queued for e in self.cluster.generators.engines
+                if e.alive and e.num_running + e.num_queued}
+        if busy:
+            raise ColocatedOverlap(f"cluster.colocated: engines {busy} (requests held) while a "
+                                   f"train step {moment}; generation and training share the "
+                                   "devices and must alternate (RunSetup.train_step releases "
+                                   "the engines once no group generates)")
 
     def save_checkpoint(self, directory: str, extra_state: dict | None = None, *,
                         async_save: str = "never") -> bool:
@@ -598,6 +636,8 @@ class SimulatedTrainerGroup:
             raise RuntimeError("the trainer group has been shut down")
         self._raise_if_node_lost("a weight sync")
         num_bytes = int(generator_weight_bytes(self.timing.model))
+        if self.cluster.layout.colocated:  # each device loads its engine's shard (below)
+            num_bytes //= self.cluster.layout.devices_per_generator
         headers = {"Authorization": f"Bearer {self.cluster.api_key}"}
         group = f"simulated-sync-{version}"
         urls = [g.url for g in generators]
@@ -669,3 +709,34 @@ class SimulatedTrainerGroup:
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
         self._stopped = True
+
+
+class ColocatedOverlap(RuntimeError):
+    """cluster.colocated: an engine held requests while the trainer trained on its devices."""
+
+
+def colocated_timing(model: CostConfig, profile, devices_per_engine: int,
+                     num_devices: int) -> tuple[int, bool, CostConfig]:
+    """cluster.colocated: (devices, weights over NVLink, the engines' CostConfig). Every device
+    holds a trainer rank and a share of an engine. The trainer keeps its bf16 parameters there
+    while the engines generate (the rest of its state is on the host), so the engines' static
+    memory fraction is what is left of `model.mem_fraction_static` after that share. The weight
+    hand-over (SGLang's update_weights_from_tensor on the real cluster) is modelled as each
+    device receiving its engine's shard of the weights over NVLink from the trainer ranks that
+    hold them (the resharding), the engine inside one NVLink domain."""
+    params_share = 2.0 * model.total_params / num_devices
+    fraction = model.mem_fraction_static - params_share / profile.accelerator.memory_bytes
+    if fraction <= 0:
+        raise ValueError(f"cluster.colocated: the trainer's parameters ({params_share / 1e9:.1f} "
+                         f"GB a device) leave the engines no memory on {profile.name}; use more "
+                         "devices")
+    return (num_devices, devices_per_engine <= profile.nvlink_domain,
+            dataclasses.replace(model, mem_fraction_static=fraction))
+
+
+def offload_seconds(timing: TrainerTiming) -> float:
+    """cluster.colocated, one direction: the trainer's optimizer state (fp32 master weights and
+    Adam's two moments, 12 bytes a parameter, sharded over the devices by the distributed
+    optimizer) over each device's host link. The gradient buffers are freed, not moved."""
+    state = 12.0 * timing.model.total_params / timing.num_devices
+    return state / timing.profile.host_bytes_per_s

@@ -8,6 +8,11 @@ Link figures are per GPU and per direction, from public spec sheets:
   900 GB/s each way.
 - Scale-out: one ConnectX-7 400 Gb/s NIC per GPU (DGX H100/H200/B200, GB200 NVL72 compute trays)
   -> 50 GB/s.
+- H20 (HGX H20, 8 GPUs): NVLink 4, 900 GB/s bidirectional -> 450 GB/s each way (the figure
+  reported for it; scaling/hardware.py says where from); the NIC is assumed as on DGX H100.
+- Host link (colocated runs move the trainer's optimizer state to the CPU and back between
+  phases, cluster.py): PCIe Gen5 x16 on Hopper and HGX B200, 64 GB/s each way; NVLink-C2C on a
+  GB200 superchip, 900 GB/s bidirectional -> 450 GB/s each way.
 Checkpoint storage bandwidth per node is an assumption (a parallel file system at ~10 GB/s per
 node), not a spec; `link_efficiency` (the achieved fraction of a link's peak) is a knob like the
 cost model's MFU.
@@ -38,6 +43,7 @@ class HardwareProfile:
     scale_out_gb_per_s: float  # per GPU, each way (InfiniBand / RoCE NIC)
     storage_gb_per_s_per_node: float  # checkpoint writes and reads
     link_efficiency: float = 0.8  # achieved fraction of a link's peak
+    host_gb_per_s: float = 64.0  # per GPU, each way, to host memory (PCIe Gen5 x16)
     measured: bool = False  # True once a benchmark measured the figures (the cpu profile)
     # Measured profiles: fitted times (measured.py) that timing.py and trainer.py use in place
     # of the cost model's roofline.
@@ -64,6 +70,11 @@ class HardwareProfile:
         """Achieved bytes/s of one GPU's link to another: NVLink inside a domain, else the NIC."""
         peak = self.nvlink_gb_per_s if same_nvlink_domain else self.scale_out_gb_per_s
         return 1e9 * peak * self.link_efficiency
+
+    @property
+    def host_bytes_per_s(self) -> float:
+        """Achieved bytes/s of one GPU's copy to or from host memory."""
+        return 1e9 * self.host_gb_per_s * self.link_efficiency
 
     @property
     def storage_bytes_per_s_per_node(self) -> float:
@@ -108,8 +119,12 @@ PROFILES: dict[str, HardwareProfile] = {
     "B200": _gpu("B200", nvlink_domain=8, nvlink_gb_per_s=900.0),
     # A GB200 NVL72 compute tray holds 4 GPUs (2 Grace-Blackwell superchips): a node loss
     # takes 4 GPUs, while NVLink spans the 72 of the rack.
-    "GB200": _gpu("GB200", nvlink_domain=72, nvlink_gb_per_s=900.0),
+    "GB200": dataclasses.replace(_gpu("GB200", nvlink_domain=72, nvlink_gb_per_s=900.0),
+                                 host_gb_per_s=450.0),
     "cpu": cpu_profile(),
+    # The verl figures of ../shared/ANCHOR_FIGURES.md ran on H20 (docs/simulation.md, "Against
+    # published figures").
+    "H20": _gpu("H20", nvlink_domain=8, nvlink_gb_per_s=450.0),
 }
 
 

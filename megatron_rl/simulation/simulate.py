@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="section.field=value")
     parser.add_argument("--hardware", default="GB200",
-                        help="hardware profile: H100, H200, B200, GB200, cpu (default GB200)")
+                        help="hardware profile: H100, H200, B200, GB200, H20, cpu (default GB200)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps to simulate (default: the recipe's num_steps)")
     parser.add_argument("--time-scale", type=float, default=100.0,
@@ -118,8 +118,9 @@ def build_report(cfg, backend, scalars: dict[int, dict[str, float]]) -> dict:
     return {
         "recipe": cfg.name, "hardware": cluster.profile.name, "time_scale": scale,
         "token_granularity": cluster.engine_settings.token_granularity,
-        "engines": len(cluster.generators.engines), "trainer_devices": cluster.num_devices
-        - len(cluster.generators.engines) * cluster.layout.devices_per_generator,
+        "engines": len(cluster.generators.engines),
+        "trainer_devices": cluster.layout.num_trainer_ranks,  # all of them when colocated
+        "colocated": cluster.layout.colocated,
         "devices": cluster.num_devices, "max_off_policyness": k,
         "steps": steps,
         "overall": {

@@ -1,0 +1,154 @@
+"""What the check against published figures adds to the simulator (docs/simulation.md, "Against
+published figures"): the H20 (the verl runs' GPU), the published models' shapes
+(simulation/anchors.py) against their published parameter counts, and the colocated simulated
+cluster (simulation/cluster.py): engines and trainer on the same devices, never at once."""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.scaling.cost import PRESETS, decode_step, kv_bytes_per_token
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_h20_has_its_reported_figures_and_a_profile():
+    from megatron_rl.scaling.hardware import ACCELERATORS
+    from megatron_rl.simulation.profiles import get_profile
+
+    h20 = ACCELERATORS["H20"]
+    assert (h20.bf16_tflops, h20.fp8_tflops, h20.hbm_gb_per_s, h20.memory_gb) == (
+        148.0, 296.0, 4000.0, 96.0)
+    profile = get_profile("H20")
+    assert profile.accelerator is h20
+    assert (profile.devices_per_node, profile.nvlink_domain, profile.nvlink_gb_per_s) \
+        == (8, 8, 450.0)
+    # A batch-1 decode step of a 7.6B bf16 model on one H20 reads its 15.2 GB at 60 % of 4 TB/s.
+    from megatron_rl.simulation.anchors import SHAPES
+
+    model = SHAPES["qwen2.5-math-7b"].cost_config(hardware="H20")
+    seconds, bound, _ = decode_step(model, h20, 1, 1, 0)
+    assert bound == "memory"
+    assert seconds == pytest.approx(2 * 7.6156e9 / (4000e9 * 0.6), rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-math-7b", "qwen3-30b-a3b", "qwen3-235b-a22b",
+                                  "deepseek-v3"])
+def test_the_shapes_count_their_published_parameters(name):
+    from megatron_rl.simulation.anchors import SHAPES
+
+    shape = SHAPES[name]
+    assert shape.total_params == pytest.approx(shape.published_total, rel=0.02)
+    if shape.moe:
+        assert shape.active_params == pytest.approx(shape.published_active, rel=0.03)
+    else:
+        assert shape.active_params == shape.total_params
+    config = shape.cost_config()
+    assert config.total_params == shape.total_params
+    assert config.num_active_params == shape.active_params
+
+
+def test_qwen2_5_7b_by_hand():
+    """Qwen2.5-7B's model card: 6.53B parameters without the embeddings; by hand: attention
+    3584 x (3584 + 2 x 512) x 2 + biases, FFN 3 x 3584 x 18944, two norms, 28 layers."""
+    from megatron_rl.simulation.anchors import SHAPES
+
+    shape = SHAPES["qwen2.5-math-7b"]
+    per_layer = 2 * 3584 * 3584 + 2 * 3584 * 512 + (3584 + 2 * 512) + 3 * 3584 * 18944 \
+        + 2 * 3584
+    embeddings = 2 * 152064 * 3584 + 3584  # untied input and output, final norm
+    assert shape.total_params == 28 * per_layer + embeddings
+    assert (shape.total_params - embeddings) / 1e9 == pytest.approx(6.53, abs=0.01)
+
+
+def test_deepseek_v3_caches_the_mla_latent():
+    """MLA keeps kv_lora_rank 512 + the RoPE key 64 per token and layer (bf16), not K and V of
+    128 heads: 61 x 576 x 2 bytes."""
+    from megatron_rl.simulation.anchors import SHAPES
+
+    assert kv_bytes_per_token(SHAPES["deepseek-v3"].cost_config()) == 61 * 576 * 2
+    qwen = SHAPES["qwen3-235b-a22b"]
+    assert kv_bytes_per_token(qwen.cost_config()) == 2 * 94 * 4 * 128 * 2
+
+
+@pytest.fixture
+def colocated(tmp_path):
+    from megatron_rl.simulation.cluster import SimulatedCluster, SimulationSettings
+    from megatron_rl.simulation.simulate import stand_in_model
+
+    model = stand_in_model(tmp_path / "model", context=4096)
+    cfg = load_config("examples/configs/tiny_pipeline.yaml", [
+        f"output_dir={tmp_path}", f"model.hf_checkpoint={model}", "cluster.colocated=true",
+        "rollout.num_generators=2", "rollout.tp_size=2", "parallelism.world_size=4",
+        "rollout.max_off_policyness=0", "rollout.health_check_timeout_s=2"])
+    with contextlib.ExitStack() as stack:
+        yield SimulatedCluster.start(cfg, tmp_path, stack, SimulationSettings(
+            hardware="H100", model=PRESETS["paper-8b"], time_scale=1000.0))
+
+
+def _batch(tokens: int):
+    import torch
+
+    return types.SimpleNamespace(token_ids=[torch.ones(tokens, dtype=torch.long)],
+                                 loss_mask=[torch.ones(tokens, dtype=torch.bool)])
+
+
+def test_colocated_engines_and_trainer_share_the_devices(colocated):
+    from megatron_rl.simulation.cluster import offload_seconds
+
+    layout = colocated.layout
+    assert layout.colocated and colocated.num_devices == 4 == layout.num_trainer_ranks
+    assert colocated.trainer_timing.num_devices == 4  # the trainer uses every device
+    # The engines' memory is what the trainer's bf16 parameters (8.03e9 x 2 / 4 devices) leave.
+    paper = PRESETS["paper-8b"]
+    assert colocated.engine_timing.model.mem_fraction_static == pytest.approx(
+        paper.mem_fraction_static - 2 * 8.03e9 / 4 / 80e9)
+    # A train step takes its compute plus the optimizer state (12 B a parameter over the 4
+    # devices) to the host and back over PCIe Gen5 (64 GB/s at the profile's 0.8).
+    trainers = colocated.trainers
+    trainers.train_step(_batch(1000))
+    assert offload_seconds(trainers.timing) == pytest.approx(12 * 8.03e9 / 4 / (64e9 * 0.8))
+    assert trainers.modelled_s["offload"] == pytest.approx(2 * offload_seconds(trainers.timing))
+    assert trainers.modelled_s["train"] == pytest.approx(
+        6 * 8.03e9 * 1000 / (4 * 989.5e12 * 0.4))
+    [(began, ended)] = trainers.train_spans
+    assert ended > began
+    # The weight hand-over: each device loads its engine's shard (bf16 weights / 2 devices).
+    report = trainers.sync_weights()
+    assert report.num_bytes == int(2 * 8.03e9) // 2
+    assert {e.weight_version for e in colocated.generators.engines} == {1}
+
+
+def test_a_colocated_train_step_refuses_an_engine_that_still_generates(colocated):
+    """The real driver releases the engines only once no group generates; a train step that
+    found an engine holding a request would overlap generation and training on one device."""
+    import time
+
+    import aiohttp
+
+    from megatron_rl.simulation.cluster import ColocatedOverlap
+
+    engine = colocated.generators.engines[1]
+
+    async def post(path, body):
+        async with aiohttp.ClientSession(headers={
+                "Authorization": f"Bearer {colocated.api_key}"}) as session:
+            async with session.post(f"{engine.url}{path}", json=body) as response:
+                assert response.status == 200, await response.text()
+
+    colocated.trainers.train_step(_batch(10))  # idle engines: fine
+    # Paused (SGLang's /pause_generation), the engine holds the request it is sent, queued.
+    colocated.loop.call(post("/pause_generation", {"mode": "in_place"}))
+    colocated.loop.submit(post("/generate", {"input_ids": [1, 2, 3],
+                                             "sampling_params": {"max_new_tokens": 8}}))
+    deadline = time.monotonic() + 10
+    while engine.num_running + engine.num_queued == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ColocatedOverlap, match="generator-1"):
+        colocated.trainers.train_step(_batch(10))
+    colocated.loop.call(post("/continue_generation", {}))  # it finishes; the fixture stops it
+    while engine.num_running + engine.num_queued and time.monotonic() < deadline:
+        time.sleep(0.01)
