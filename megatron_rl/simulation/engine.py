@@ -131,6 +131,7 @@ class _Request:
     segment: int = 0  # running segments so far (tells stale finish-heap entries apart)
     spans: list[list[int]] = dataclasses.field(default_factory=list)  # [version, first token]
     done: bool = False
+    queued_model_s: float = 0.0  # model time it arrived (EngineStats.queue_wait_*)
 
     @property
     def queue_key(self) -> tuple[int, int]:
@@ -153,6 +154,10 @@ class EngineStats:
     # up; large when the CPU sets the pace (lower time_scale, or raise token_granularity).
     max_lag_model_s: float = 0.0
     admission_order: list[str] = dataclasses.field(default_factory=list)  # rids, first admission
+    # Model seconds requests waited in the queue from arrival to their first admission (a
+    # retracted request's second wait is not counted): total (mean = total / admitted) and most.
+    queue_wait_total_model_s: float = 0.0
+    queue_wait_max_model_s: float = 0.0
 
 
 class SimulatedEngine:
@@ -405,6 +410,11 @@ class SimulatedEngine:
             heapq.heappop(self._queue)
             if request.segment == 0:
                 self.stats.admission_order.append(request.rid)
+                # The step boundary it is admitted at; an engine behind the clock can be at a
+                # model time before the arrival's (that wait is 0).
+                wait = max(0.0, self._cursor - request.queued_model_s)
+                self.stats.queue_wait_total_model_s += wait
+                self.stats.queue_wait_max_model_s = max(self.stats.queue_wait_max_model_s, wait)
             request.segment += 1
             request.segment_start = self._step
             if not request.spans or request.spans[-1][0] != self.weight_version:
@@ -503,7 +513,8 @@ class SimulatedEngine:
                         max_new_tokens=max_new, length=length, stop_token=stop_token,
                         priority=int(priority), arrival=arrival, token_seed=key,
                         future=asyncio.get_running_loop().create_future(),
-                        stop_token_ids=stop_ids, want_input_logprobs=want_input_logprobs)
+                        stop_token_ids=stop_ids, want_input_logprobs=want_input_logprobs,
+                        queued_model_s=self.clock.now())
 
     def _response(self, request: _Request, finish_reason: dict) -> dict:
         num_tokens = request.generated
@@ -806,6 +817,9 @@ def sum_stats(engines: Sequence[SimulatedEngine]) -> dict[str, float]:
     """Totals over engines (max_batch: the largest any engine reached)."""
     return {"max_batch": max(e.stats.max_batch for e in engines),
             "max_lag_model_s": max(e.stats.max_lag_model_s for e in engines),
+            "queue_wait_max_model_s": max(e.stats.queue_wait_max_model_s for e in engines),
+            "admitted": sum(len(e.stats.admission_order) for e in engines),
+            "queue_wait_total_model_s": sum(e.stats.queue_wait_total_model_s for e in engines),
             **{name: sum(getattr(e.stats, name) for e in engines)
                for name in ("decode_steps", "decode_tokens", "prefill_tokens", "retractions",
                             "finished", "aborted", "busy_model_s")}}
