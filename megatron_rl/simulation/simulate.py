@@ -333,8 +333,8 @@ def run_sweep(runner: Runner, grid: dict[str, list[int]]) -> tuple[int, dict]:
     sweep.add_speed_ups(rows)
     best = sweep.argmin(rows)
     cost_best = sweep.argmin(rows, key="cost_gpu_hours_per_step")
-    title = (f"sweep of {cfg.name} on {runner.settings.hardware}: trainer devices "
-             f"{cfg.parallelism.world_size} (the recipe's) at every point")
+    title = (f"sweep of {cfg.name} on {runner.settings.hardware}: "
+             f"{cfg.parallelism.world_size} trainer devices at every point")
     record = {"recipe": cfg.name, "hardware": runner.settings.hardware, "grid": grid,
               "trainer_devices": cfg.parallelism.world_size, "rows": rows,
               "argmin": {"generators": best["generators"], "k": best["k"],

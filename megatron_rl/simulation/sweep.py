@@ -163,6 +163,7 @@ def plot(rows: Sequence[dict], path, title: str) -> None:
                 color=line.get_color(), label=f"{g} engines (cost model)")
     best = argmin(rows)
     ax.plot([best["k"]], [best["gpu_hours_per_step"]], "k*", markersize=14, label="argmin")
+    ax.set_xticks(sorted({r["k"] for r in rows}))
     ax.set_xlabel("k (rollout.max_off_policyness)")
     ax.set_ylabel("GPU-hours per step")
     ax.set_title(title, fontsize=10)

@@ -226,3 +226,18 @@ def test_queue_wait_is_the_model_time_from_arrival_to_admission():
         timing.decode_step_seconds(1, len(prompt) + t) for t in range(300))
     assert len(stats.admission_order) == 2 and stats.finished == 2
     assert one - 0.01 < stats.queue_wait_max_model_s - first <= one * (1 + 1e-9)
+
+
+def test_the_sweep_table_marks_the_argmin_and_the_plot_is_written(tmp_path):
+    rows = [{"generators": g, "k": k, "devices": 4 * g + 16, "step_model_s": s,
+             "gpu_hours_per_step": (4 * g + 16) * s / 3600, "generator_busy_share": 0.9,
+             "trainer_idle_share": 0.2, "stale_token_share": 0.5, "cost_step_s": 100.0,
+             "cost_gpu_hours_per_step": 2.0}
+            for g, k, s in [(8, 0, 600.0), (8, 4, 200.0), (14, 0, 500.0), (14, 4, 140.0)]]
+    sweep.add_speed_ups(rows)
+    table = sweep.sweep_table(rows, "t")
+    gpu_hours = table.columns[4]._cells
+    assert [c.endswith(" *") for c in gpu_hours] == [False, True, False, False]  # 48 x 200 s
+    assert table.columns[5]._cells == ["1.00", "3.00", "1.00", "3.57"]
+    sweep.plot(rows, tmp_path / "sweep.png", "t")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
