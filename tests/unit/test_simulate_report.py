@@ -18,7 +18,8 @@ from megatron_rl.simulation import EngineTiming, SimClock, get_profile
 from megatron_rl.simulation import sweep
 from megatron_rl.simulation.engine import (CompletionLengths, EngineSettings, EngineStats,
                                            SimulatedEngine)
-from megatron_rl.simulation.simulate import add_sync, build_parser, build_report
+from megatron_rl.simulation.simulate import (add_sync, build_parser, build_report,
+                                             print_report)
 
 pytestmark = pytest.mark.unit
 
@@ -194,6 +195,22 @@ def test_the_sync_run_gives_the_speed_up_and_both_gpu_hours():
     assert report["speed_up"] == pytest.approx(2.0)
     assert report["sync"]["gpu_hours_per_step"] == pytest.approx(220.0 * 72 / 3600)
     assert report["sync"]["output_dir"] == "out_sync"
+
+
+def test_the_printed_report_names_the_sync_run_queue_waits_and_validation(capsys):
+    report = build_report(_cfg(2), _stand_in_backend([256]), SCALARS)
+    sync = build_report(_cfg(0), _stand_in_backend([256]),
+                        {s: {**m, "perf/step_seconds": m.get("perf/step_seconds", 0) * 2}
+                         for s, m in SCALARS.items() if s})
+    sync["output_dir"], sync["exit_status"] = "out_sync", 0
+    add_sync(report, sync)
+    report["cost_model"] = {"step_s": 142.4, "gpu_hours_per_step": 2.847}
+    print_report(report)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "queue wait before admission: mean 7.0, max 12.0 model s" in out
+    assert "validation: step 0: 40.0 model s, step 3: 60.0 model s" in out
+    assert "synchronous (k = 0, out_sync): step 220.0 model s" in out
+    assert "speed-up of k = 2: 2.00x" in out and "step 142.4 s, 2.847 GPU-hours" in out
 
 
 # ------------------------------------------------------------------ the engine's queue waits
