@@ -21,7 +21,12 @@ scale is kept as low as the wall time allows; each row says how far the engines 
 
 Token budgets are the recipe's in units of the granularity g: the thinking budget 32768 model
 tokens (forced interruption from 27648), the solution budget 2048, prompts of the rg task ~40
-returned tokens (x g model tokens). The record goes to OUT/async_gain.json.
+returned tokens (x g model tokens). The record goes to OUT/async_gain.json; each point's
+simulation.json to OUT/racks{R}_k{K}/.
+
+Measured here (docs/simulation.md, "Async vs sync at scale"): ~4-5 min of wall time per one-rack
+point, ~2-9 min per four-rack point (the longer ones at time scale 4), ~47 min for all ten at the
+defaults; --time-scale 32 kept the engines within 10 model s of the clock on four racks.
 """
 from __future__ import annotations
 
