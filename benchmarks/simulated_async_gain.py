@@ -25,8 +25,8 @@ returned tokens (x g model tokens). The record goes to OUT/async_gain.json; each
 simulation.json to OUT/racks{R}_k{K}/.
 
 Measured here (docs/simulation.md, "Async vs sync at scale"): ~4-5 min of wall time per one-rack
-point, ~2-9 min per four-rack point (the longer ones at time scale 4), ~47 min for all ten at the
-defaults; --time-scale 32 kept the engines within 10 model s of the clock on four racks.
+point, ~2-9 min per four-rack point (the longer ones at time scale 4), ~47 min for the ten as
+run there; --time-scale 32 kept the engines within 10 model s of the clock on four racks.
 """
 from __future__ import annotations
 
