@@ -173,6 +173,9 @@ class HeldoutValidation:
     def __call__(self, step: int, *, version: int, metrics) -> None:
         """Validate the weights of policy `version` after `step`; `metrics` is the run's
         RunMetrics (scaling log, TensorBoard writer, compute axis)."""
+        import time
+
+        started = time.perf_counter()
         k = self.cfg.eval.samples_per_prompt
         compute_gpu_hours = metrics.compute_gpu_hours  # spent on the policy validated here
         completions = self._wait(self._generate(k, version))
@@ -182,6 +185,10 @@ class HeldoutValidation:
                                  step, self.records, texts, scored)
         log_validation(metrics.scaling_log, step, compute_gpu_hours,
                        validation_metrics(scored, samples_per_prompt=k), tb_writer=metrics.writer)
+        if metrics.writer is not None:  # the pass's cost: generation, scoring, the samples file
+            metrics.writer.add_scalar("perf/validation_seconds", time.perf_counter() - started,
+                                      step)
+            metrics.writer.flush()
 
     async def _generate(self, k: int, version: int) -> list:
         import asyncio

@@ -135,6 +135,7 @@ class _Request:
     spans: list[list[int]] = dataclasses.field(default_factory=list)  # [version, first token]
     starts: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (token, step)
     done: bool = False
+    queued_model_s: float = 0.0  # model time it arrived (EngineStats.queue_wait_*)
 
     @property
     def queue_key(self) -> tuple[int, int]:
@@ -173,6 +174,10 @@ class EngineStats:
     # request -> the (first output token, engine step) of each of its running segments; output
     # token i of a segment starting at (t0, s0) was decoded at engine step s0 + i - t0.
     requests: dict[tuple, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    # Model seconds requests waited in the queue from arrival to their first admission (a
+    # retracted request's second wait is not counted): total (mean = total / admitted) and most.
+    queue_wait_total_model_s: float = 0.0
+    queue_wait_max_model_s: float = 0.0
 
 
 class SimulatedEngine:
@@ -434,6 +439,11 @@ class SimulatedEngine:
             if request.segment == 0:
                 self.stats.admission_order.append(request.rid)
                 self._count_priority(request)
+                # The step boundary it is admitted at; an engine behind the clock can be at a
+                # model time before the arrival's (that wait is 0).
+                wait = max(0.0, self._cursor - request.queued_model_s)
+                self.stats.queue_wait_total_model_s += wait
+                self.stats.queue_wait_max_model_s = max(self.stats.queue_wait_max_model_s, wait)
             request.segment += 1
             request.segment_start = self._step
             if self.settings.record_requests:
@@ -548,7 +558,8 @@ class SimulatedEngine:
                         max_new_tokens=max_new, length=length, stop_token=stop_token,
                         priority=int(priority), arrival=arrival, token_seed=key,
                         future=asyncio.get_running_loop().create_future(),
-                        stop_token_ids=stop_ids, want_input_logprobs=want_input_logprobs)
+                        stop_token_ids=stop_ids, want_input_logprobs=want_input_logprobs,
+                        queued_model_s=self.clock.now())
 
     def _response(self, request: _Request, finish_reason: dict) -> dict:
         num_tokens = request.generated
@@ -854,6 +865,9 @@ def sum_stats(engines: Sequence[SimulatedEngine]) -> dict[str, float]:
     """Totals over engines (max_batch: the largest any engine reached)."""
     return {"max_batch": max(e.stats.max_batch for e in engines),
             "max_lag_model_s": max(e.stats.max_lag_model_s for e in engines),
+            "queue_wait_max_model_s": max(e.stats.queue_wait_max_model_s for e in engines),
+            "admitted": sum(len(e.stats.admission_order) for e in engines),
+            "queue_wait_total_model_s": sum(e.stats.queue_wait_total_model_s for e in engines),
             **{name: sum(getattr(e.stats, name) for e in engines)
                for name in ("decode_steps", "decode_tokens", "prefill_tokens", "retractions",
                             "finished", "aborted", "busy_model_s")}}

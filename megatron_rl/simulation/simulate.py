@@ -5,7 +5,10 @@ client, GeneratorHealth, validation, checkpoints, the ledger) against the simula
 report per step and overall, read from what the run itself logged (TensorBoard) and the
 engines' statistics: step time in model seconds, GPU-hours per step, generator busy share,
 trainer idle share, the per-token staleness histogram, the engine batch sizes reached against
-max_running_requests, the interruption rate; a JSON record in output_dir/simulation.json.
+max_running_requests, the interruption rate, queue waits, validation time; a JSON record in
+output_dir/simulation.json. By default the same recipe is simulated again synchronously
+(rollout.max_off_policyness=0, output_dir + "_sync") for the speed-up; `--sweep` runs a grid
+(simulation/sweep.py); `--faults` installs simulation/faults.py's FaultPlan in every run.
 
 Wall-clock figures the driver logs are converted to model time by the clock's time_scale, so
 the driver's own CPU time is counted as if the cluster spent it x time_scale: keep time_scale
@@ -24,7 +27,11 @@ from pathlib import Path
 USAGE_EPILOG = """Overrides are the recipe's section.field=value, as for `megatron-rl train`. A
 recipe without model.hf_checkpoint (the large presets) gets a stand-in tokenizer and config.json
 written to OUTPUT_DIR/simulated_model: token ids are simulated, the text only feeds the real
-verifiers (which give 0). Not yet: --faults, --sweep, the synchronous (k = 0) comparison run."""
+verifiers (which give 0). Unless --no-sync (or k is 0 already), the recipe is run again with
+rollout.max_off_policyness=0 into OUTPUT_DIR_sync: the driver then admits only the current step's
+groups, so the generators idle while the trainer steps (synchronous RL on separate generator and
+trainer devices) and the report gives the speed-up. --sweep "generators=8,14,20 k=0,1,2,4,8" runs
+every point (trainer devices: the recipe's parallelism.world_size) into OUTPUT_DIR_sweep/."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "in flight in the driver instead of two (over ~9000 in flight)")
     parser.add_argument("--median-tokens", type=float, default=None,
                         help="median completion length (default: half the thinking budget)")
+    parser.add_argument("--warmup-steps", type=int, default=1,
+                        help="first steps left out of the overall figures: the pipeline's fill "
+                             "(default 1)")
+    parser.add_argument("--no-sync", action="store_true",
+                        help="skip the synchronous (k = 0) run and the speed-up")
+    parser.add_argument("--sweep", action="append", default=[], metavar="SPEC",
+                        help='a grid, e.g. --sweep "generators=8,14,20 k=0,1,2,4,8"')
+    parser.add_argument("--faults", default=None, metavar="SPEC",
+                        help="faults to inject in each run (simulation/faults.py's FaultPlan)")
     return parser
 
 
@@ -84,8 +100,11 @@ def read_scalars(tensorboard_dir: str) -> dict[int, dict[str, float]]:
     return steps
 
 
-def build_report(cfg, backend, scalars: dict[int, dict[str, float]]) -> dict:
-    """The simulation's record: per step and overall, in model seconds."""
+def build_report(cfg, backend, scalars: dict[int, dict[str, float]], *,
+                 warmup_steps: int = 1) -> dict:
+    """The simulation's record: per step and overall, in model seconds. The overall figures
+    leave out the first `warmup_steps` steps (the pipeline's fill: every run starts with no
+    completion in flight) when later steps remain."""
     from megatron_rl.rollout.staleness import SCALAR_PREFIX
 
     cluster = backend.cluster
@@ -97,6 +116,7 @@ def build_report(cfg, backend, scalars: dict[int, dict[str, float]]) -> dict:
         steps.append({
             "step": step,
             "step_model_s": m["perf/step_seconds"] * scale,
+            "gpu_hours": m["perf/step_seconds"] * scale * cluster.num_devices / 3600.0,
             "generator_busy_share": m.get("perf/generator_busy_fraction", math.nan),
             "trainer_idle_share": m.get("perf/trainer_idle_fraction", math.nan),
             "interruption_rate": m.get("rollout/interruption_rate", math.nan),
@@ -107,12 +127,15 @@ def build_report(cfg, backend, scalars: dict[int, dict[str, float]]) -> dict:
     limit = cluster.engine_settings.max_running_requests
     batches = [e.stats.max_batch for e in cluster.generators.engines]
     stats = cluster.engine_stats()
-    step_s = [s["step_model_s"] for s in steps]
+    counted = steps[warmup_steps:] or steps
+    step_s = [s["step_model_s"] for s in counted]
     mean_step = statistics.fmean(step_s) if step_s else math.nan
-    staleness = [sum(s["staleness_tokens"][lag] for s in steps) for lag in range(k + 1)]
+    staleness = [sum(s["staleness_tokens"][lag] for s in counted) for lag in range(k + 1)]
+    validation = {step: m["perf/validation_seconds"] * scale for step, m in sorted(scalars.items())
+                  if "perf/validation_seconds" in m}
 
     def mean(key):
-        values = [s[key] for s in steps if math.isfinite(s[key])]
+        values = [s[key] for s in counted if math.isfinite(s[key])]
         return statistics.fmean(values) if values else math.nan
 
     return {
@@ -124,6 +147,7 @@ def build_report(cfg, backend, scalars: dict[int, dict[str, float]]) -> dict:
         "devices": cluster.num_devices, "max_off_policyness": k,
         "steps": steps,
         "overall": {
+            "steps_counted": [s["step"] for s in counted],
             "step_model_s": mean_step,
             "gpu_hours_per_step": mean_step * cluster.num_devices / 3600.0,
             "generator_busy_share": mean("generator_busy_share"),
@@ -137,6 +161,10 @@ def build_report(cfg, backend, scalars: dict[int, dict[str, float]]) -> dict:
             "engine_retractions": stats["retractions"],
             "engine_busy_model_s": stats["busy_model_s"],
             "engine_max_lag_model_s": stats["max_lag_model_s"],
+            "queue_wait_mean_model_s": stats["queue_wait_total_model_s"] / stats["admitted"]
+            if stats["admitted"] else math.nan,
+            "queue_wait_max_model_s": stats["queue_wait_max_model_s"],
+            "validation_model_s": validation,
             "engines_restarted": len(cluster.generators.retired),
             "trainer_modelled_s": dict(cluster.trainers.modelled_s),
         },
@@ -175,47 +203,203 @@ def print_report(report: dict) -> None:
         f"{batch['max']} of max_running_requests {o['max_running_requests']} "
         f"({batch['engines_at_limit']} of {report['engines']} engines at it); "
         f"{o['engine_retractions']} KV retractions; engines fell behind the clock by at most "
-        f"{o['engine_max_lag_model_s']:.1f} model s (large: lower --time-scale)")
+        f"{o['engine_max_lag_model_s']:.1f} model s (large: lower --time-scale)\n"
+        f"queue wait before admission: mean {o['queue_wait_mean_model_s']:.1f}, max "
+        f"{o['queue_wait_max_model_s']:.1f} model s; validation: "
+        + (", ".join(f"step {step}: {v:.1f} model s"
+                     for step, v in o["validation_model_s"].items()) or "none run")
+        + f"\noverall figures over steps {o['steps_counted']}")
+    cost = report.get("cost_model")
+    if cost:
+        console.print(f"cost model (megatron-rl cost) for this split: step {cost['step_s']:.1f} "
+                      f"s, {cost['gpu_hours_per_step']:.3f} GPU-hours per step")
+    sync = report.get("sync")
+    if sync:
+        console.print(
+            f"synchronous (k = 0, {sync['output_dir']}): step {sync['step_model_s']:.1f} model s, "
+            f"{sync['gpu_hours_per_step']:.3f} GPU-hours per step, generator busy "
+            f"{sync['generator_busy_share']:.2f}, trainer idle {sync['trainer_idle_share']:.2f}"
+            f"; speed-up of k = {k}: {report['speed_up']:.2f}x")
 
 
-def simulate(cfg, backend) -> tuple[int, dict]:
-    """Run the recipe's driver on `backend` (a SimulatedBackend) -> (exit status, report)."""
+def simulate(cfg, backend, *, warmup_steps: int = 1) -> tuple[int, dict]:
+    """Run the recipe's driver on `backend` (a SimulatedBackend) -> (exit status, report). A
+    run that stops itself (NodeLost: a trainer node lost, exit 75) is reported as `megatron-rl
+    train` reports it, one line and its exit status, and its report covers the steps it ran."""
+    from megatron_rl.resilience.recovery import RunStopped
     from megatron_rl.train import train
 
-    status = train(cfg, backend)
-    report = build_report(cfg, backend, read_scalars(cfg.tensorboard_dir))
+    try:
+        status = train(cfg, backend)
+    except RunStopped as err:
+        print(f"megatron-rl simulate: stopped: {err}", file=sys.stderr)
+        status = getattr(err, "exit_status", 1)
+    report = build_report(cfg, backend, read_scalars(cfg.tensorboard_dir),
+                          warmup_steps=warmup_steps)
     report["exit_status"] = status
-    out = Path(cfg.output_dir) / "simulation.json"
-    out.write_text(json.dumps(report, indent=1))
+    report["output_dir"] = str(cfg.output_dir)
+    cluster = backend.cluster
+    report["cost_model"] = _cost_model(report, cluster)
+    write_record(report)
     return status, report
 
 
+def write_record(report: dict) -> None:
+    (Path(report["output_dir"]) / "simulation.json").write_text(json.dumps(report, indent=1))
+
+
+def _cost_model(report: dict, cluster) -> dict:
+    from megatron_rl.simulation.sweep import analytic
+
+    return analytic(cluster.engine_timing.model, generators=report["engines"],
+                    devices_per_engine=cluster.layout.devices_per_generator,
+                    trainer_devices=report["trainer_devices"], k=report["max_off_policyness"],
+                    token_granularity=report["token_granularity"])
+
+
+def sync_summary(sync: dict) -> dict:
+    """What a report keeps of its synchronous (k = 0) run."""
+    o = sync["overall"]
+    return {"output_dir": sync["output_dir"], "exit_status": sync["exit_status"],
+            **{key: o[key] for key in ("step_model_s", "gpu_hours_per_step",
+                                       "generator_busy_share", "trainer_idle_share",
+                                       "queue_wait_mean_model_s", "engine_max_lag_model_s")},
+            "cost_model": sync.get("cost_model")}
+
+
+def add_sync(report: dict, sync: dict) -> None:
+    from megatron_rl.simulation.sweep import speed_up
+
+    report["sync"] = sync_summary(sync)
+    report["speed_up"] = speed_up(sync["overall"]["step_model_s"],
+                                  report["overall"]["step_model_s"])
+
+
+class Runner:
+    """Runs the recipe with extra overrides, each run into its own output_dir, sharing one
+    stand-in model (written once) and the simulation settings."""
+
+    def __init__(self, recipe: str, overrides: Sequence[str], settings, *,
+                 faults: str | None = None, warmup_steps: int = 1):
+        from megatron_rl.config import load_config
+
+        self.recipe, self.settings, self.faults = recipe, settings, faults
+        self.warmup_steps = warmup_steps
+        overrides = list(overrides)
+        cfg = load_config(recipe, overrides)
+        if not any(o.startswith("output_dir=") for o in overrides):
+            overrides.append(f"output_dir={cfg.output_dir}_simulated")
+            cfg = load_config(recipe, overrides)
+        self.output_dir = str(cfg.output_dir)
+        if cfg.model.hf_checkpoint is None:
+            model = stand_in_model(Path(self.output_dir) / "simulated_model",
+                                   context=cfg.rollout.max_sequence_tokens)
+            overrides.append(f"model.hf_checkpoint={model}")
+        self.overrides = [o for o in overrides if not o.startswith("output_dir=")]
+        self.cfg = self.config()
+
+    def config(self, extra: Sequence[str] = (), output_dir: str | None = None):
+        from megatron_rl.config import load_config
+
+        return load_config(self.recipe, self.overrides + list(extra)
+                           + [f"output_dir={output_dir or self.output_dir}"])
+
+    def run(self, extra: Sequence[str] = (), output_dir: str | None = None) -> tuple[int, dict]:
+        from megatron_rl.simulation.cluster import SimulatedBackend
+
+        cfg = self.config(extra, output_dir)
+        plan = None
+        if self.faults:
+            from megatron_rl.simulation.faults import FaultPlan  # another module's interface
+
+            plan = FaultPlan.parse(self.faults)
+        backend = SimulatedBackend(self.settings,
+                                   on_start=plan.install if plan is not None else None)
+        status, report = simulate(cfg, backend, warmup_steps=self.warmup_steps)
+        if plan is not None:
+            report["faults"] = plan.record()
+            write_record(report)
+        return status, report
+
+
+def run_sweep(runner: Runner, grid: dict[str, list[int]]) -> tuple[int, dict]:
+    """Every point of the grid, with a progress bar over the runs -> (worst exit status,
+    record); the table, plot and record are written to OUTPUT_DIR_sweep/."""
+    from megatron_rl.console import print_table, progress, report_console
+    from megatron_rl.simulation import sweep
+
+    cfg = runner.cfg
+    points = sweep.grid_points(grid, generators=cfg.rollout.num_generators,
+                               k=cfg.rollout.max_off_policyness)
+    root = Path(f"{runner.output_dir}_sweep")
+    rows, statuses = [], []
+    bar = progress(points, desc="sweep", unit="run")
+    for generators, k in bar:
+        bar.set_postfix(generators=generators, k=k)
+        status, report = runner.run(sweep.point_overrides(generators, k),
+                                    output_dir=str(root / f"g{generators}_k{k}"))
+        statuses.append(status)
+        rows.append(sweep.sweep_row(report, report["cost_model"]) | {"exit_status": status})
+    bar.close()
+    sweep.add_speed_ups(rows)
+    best = sweep.argmin(rows)
+    cost_best = sweep.argmin(rows, key="cost_gpu_hours_per_step")
+    title = (f"sweep of {cfg.name} on {runner.settings.hardware}: "
+             f"{cfg.parallelism.world_size} trainer devices at every point")
+    record = {"recipe": cfg.name, "hardware": runner.settings.hardware, "grid": grid,
+              "trainer_devices": cfg.parallelism.world_size, "rows": rows,
+              "argmin": {"generators": best["generators"], "k": best["k"],
+                         "gpu_hours_per_step": best["gpu_hours_per_step"]},
+              "cost_model_argmin": {"generators": cost_best["generators"], "k": cost_best["k"],
+                                    "gpu_hours_per_step": cost_best["cost_gpu_hours_per_step"]}}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "sweep.json").write_text(json.dumps(record, indent=1))
+    sweep.plot(rows, root / "sweep.png", title)
+    console = report_console()
+    print_table(console, sweep.sweep_table(rows, title))
+    console.print(f"fewest GPU-hours per step (*): {best['generators']} engines, k = {best['k']}"
+                  f" ({best['gpu_hours_per_step']:.3f}); the cost model's among these points: "
+                  f"{cost_best['generators']} engines, k = {cost_best['k']} "
+                  f"({cost_best['cost_gpu_hours_per_step']:.3f})\nrecord: {root / 'sweep.json'}, "
+                  f"plot: {root / 'sweep.png'}")
+    return max(statuses), record
+
+
 def main(argv: Sequence[str]) -> int:
-    from megatron_rl.config import ConfigError, load_config
-    from megatron_rl.simulation.cluster import SimulatedBackend, SimulationSettings
+    from megatron_rl.config import ConfigError
+    from megatron_rl.simulation.cluster import SimulationSettings
+    from megatron_rl.simulation.sweep import parse_sweep
 
     args = build_parser().parse_intermixed_args(list(argv))
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.num_steps={args.steps}")
     try:
-        cfg = load_config(args.recipe, overrides)
-        if not any(o.startswith("output_dir=") for o in overrides):
-            overrides.append(f"output_dir={cfg.output_dir}_simulated")
-        cfg = load_config(args.recipe, overrides)
-        if cfg.model.hf_checkpoint is None:
-            model = stand_in_model(Path(cfg.output_dir) / "simulated_model",
-                                   context=cfg.rollout.max_sequence_tokens)
-            cfg = load_config(args.recipe, overrides + [f"model.hf_checkpoint={model}"])
+        grid = parse_sweep(args.sweep) if args.sweep else None
+        if args.faults:
+            from megatron_rl.simulation.faults import FaultPlan  # another module's interface
+
+            FaultPlan.parse(args.faults)  # a bad spec fails here, before any run
         settings = SimulationSettings(hardware=args.hardware, time_scale=args.time_scale,
                                       token_granularity=args.token_granularity,
                                       max_running_requests=args.max_running_requests,
                                       median_tokens=args.median_tokens,
                                       engines_in_child_process=args.engines_in_child_process)
+        runner = Runner(args.recipe, overrides, settings, faults=args.faults,
+                        warmup_steps=args.warmup_steps)
     except (ConfigError, ValueError) as err:
         print(f"megatron-rl simulate: error: {err}", file=sys.stderr)
         return 2
-    status, report = simulate(cfg, SimulatedBackend(settings))
+    if grid is not None:
+        status, _ = run_sweep(runner, grid)
+        return status
+    status, report = runner.run()
+    if not args.no_sync and runner.cfg.rollout.max_off_policyness > 0 and status == 0:
+        sync_status, sync = runner.run(["rollout.max_off_policyness=0"],
+                                       output_dir=f"{runner.output_dir}_sync")
+        add_sync(report, sync)
+        write_record(report)
+        status = status or sync_status
     print_report(report)
-    print(f"record: {Path(cfg.output_dir) / 'simulation.json'}")
+    print(f"record: {Path(report['output_dir']) / 'simulation.json'}")
     return status
