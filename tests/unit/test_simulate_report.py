@@ -130,7 +130,8 @@ def _stand_in_backend(engine_batches, *, time_scale=20.0, devices=72, waits=(10.
         clock=SimClock(time_scale), num_devices=devices, profile=get_profile("GB200"),
         generators=types.SimpleNamespace(engines=engines, retired=[]),
         engine_settings=EngineSettings(max_running_requests=256, token_granularity=64),
-        layout=types.SimpleNamespace(devices_per_generator=4),
+        layout=types.SimpleNamespace(devices_per_generator=4, colocated=False,
+                                     num_trainer_ranks=devices - 4 * len(engines)),
         trainers=types.SimpleNamespace(modelled_s={"train": 30.0}),
         engine_stats=lambda: stats)
     return types.SimpleNamespace(cluster=cluster)
