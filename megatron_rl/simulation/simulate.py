@@ -34,6 +34,104 @@ trainer devices) and the report gives the speed-up. --sweep "generators=8,14,20 
 every point (trainer devices: the recipe's parallelism.world_size) into OUTPUT_DIR_sweep/."""
 
 
+# A recipe's num_steps (thousands) would simulate the whole run: by default 3 (k + 1) steps
+# (at least 8), the first k + 1 the fill (--warmup-steps), and SYNC_STEPS of the k = 0 run.
+DEFAULT_STEPS = 8
+SYNC_STEPS = 4
+AUTO_RETURNED_TOKENS = 512  # the longest thinking part, in returned tokens, at the default
+_BUDGETS = ("thinking_budget", "thinking_budget_min", "solution_budget")
+
+
+def as_simulated(recipe: str, overrides: Sequence[str], *, steps: int | None,
+                 granularity: int | None) -> tuple[list[str], int, list[str], bool]:
+    """What makes a recipe simulate in minutes on this machine, where the user did not say
+    otherwise -> (overrides to add, token granularity, one notice line for each):
+    - at most DEFAULT_STEPS steps;
+    - a token granularity g (unless given): the recipe's token budgets in units of g;
+    - algorithm.zero_variance_filter=false: every simulated reward is 0, so the filter would
+      drop every group and no step would ever be taken;
+    - generated prompts (rg/basic_arithmetic) when the recipe's prompt file is not here: the
+      engines' tokens are simulated, only the prompts' number and lengths matter;
+    - fewer held-out prompts when the requests in flight at once (training at the staleness
+      bound plus a validation) need more open files than this machine's hard limit allows
+      (one socket each, async_client.reserve_open_files), and the engines in a child process
+      when two files a request (both ends in one process) would not fit.
+    -> (overrides, granularity, notices, engines in a child process)
+    """
+    import resource
+
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout.async_client import RESERVED_OPEN_FILES
+    from megatron_rl.rollout.staleness import StalenessSettings
+
+    given = {o.split("=", 1)[0] for o in overrides}
+    cfg = load_config(recipe, list(overrides))
+    extra, notices = [], []
+    if steps is not None:
+        extra.append(f"train.num_steps={steps}")
+    elif "train.num_steps" not in given:
+        default = max(DEFAULT_STEPS, 3 * (cfg.rollout.max_off_policyness + 1))
+        if cfg.train.num_steps > default:
+            extra.append(f"train.num_steps={default}")
+            notices.append(f"{default} of the recipe's {cfg.train.num_steps} steps, the first "
+                           f"{cfg.rollout.max_off_policyness + 1} the pipeline's fill (--steps N "
+                           "for more)")
+    r = cfg.rollout
+    if granularity is None:
+        granularity = 1
+        while r.thinking_budget / granularity > AUTO_RETURNED_TOKENS:
+            granularity *= 2
+        if granularity > 1:
+            thinking = r.thinking_budget // granularity
+            budgets = {"thinking_budget": thinking,
+                       "thinking_budget_min": min(thinking, max(
+                           1, r.thinking_budget_min // granularity)),
+                       "solution_budget": max(1, -(-r.solution_budget // granularity))}
+            extra += [f"rollout.{name}={value}" for name, value in budgets.items()]
+            notices.append(
+                f"token granularity {granularity}: a returned token stands for {granularity} "
+                "model tokens; budgets " + ", ".join(
+                    f"{name} {getattr(r, name)} -> {budgets[name]}" for name in _BUDGETS)
+                + " (--token-granularity G to choose it, budgets then in its units)")
+    if cfg.algorithm.zero_variance_filter and "algorithm.zero_variance_filter" not in given:
+        extra.append("algorithm.zero_variance_filter=false")
+        notices.append("algorithm.zero_variance_filter=false: every simulated reward is 0, and "
+                       "the filter would drop every group")
+    prompts = cfg.data.prompts
+    if not prompts.startswith("rg/") and not Path(prompts).exists():
+        cfg = load_config(recipe, list(overrides) + extra)
+        groups = cfg.train.global_batch_size // r.samples_per_prompt
+        count = groups * (cfg.train.num_steps + r.max_off_policyness + 2) \
+            + cfg.eval.num_heldout_prompts
+        extra += ["data.prompts=rg/basic_arithmetic", f"data.num_generated_prompts={count}"]
+        notices.append(f"data.prompts: {prompts} is not here; {count} generated "
+                       "rg/basic_arithmetic prompts instead (their lengths, not their text, "
+                       "reach the simulated engines)")
+    cfg = load_config(recipe, list(overrides) + extra)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    training = StalenessSettings.from_run_config(cfg).max_outstanding_groups \
+        * cfg.rollout.samples_per_prompt
+    room = hard - RESERVED_OPEN_FILES - training
+    heldout = cfg.eval.num_heldout_prompts
+    if hard != resource.RLIM_INFINITY and heldout * cfg.eval.samples_per_prompt > room > 0:
+        fits = max(1, room // cfg.eval.samples_per_prompt)
+        extra.append(f"eval.num_heldout_prompts={fits}")
+        notices.append(f"eval.num_heldout_prompts={fits} (not {heldout}): {training} training "
+                       f"requests at the staleness bound and {heldout} x "
+                       f"{cfg.eval.samples_per_prompt} validation ones would be in flight at "
+                       f"once, one open file each, over this machine's hard limit of {hard} "
+                       "(`ulimit -Hn`); the validation time reported is for the fewer")
+    in_flight = training + min(heldout, max(1, room // cfg.eval.samples_per_prompt)) \
+        * cfg.eval.samples_per_prompt
+    # Engines in this process hold the other end of every socket: two files a request.
+    child = hard != resource.RLIM_INFINITY and 2 * in_flight + RESERVED_OPEN_FILES > hard
+    if child:
+        notices.append(f"the engines run in a child process: {in_flight} requests in flight, "
+                       "two open files each in one process, exceed the hard limit of "
+                       f"{hard}")
+    return extra, granularity, notices, child
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rl simulate", epilog=USAGE_EPILOG,
@@ -43,12 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hardware", default="GB200",
                         help="hardware profile: H100, H200, B200, GB200, H20, cpu (default GB200)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps to simulate (default: the recipe's num_steps)")
-    parser.add_argument("--time-scale", type=float, default=100.0,
-                        help="model seconds per wall second (default 100)")
-    parser.add_argument("--token-granularity", type=int, default=1,
-                        help="model tokens per returned token (the recipe's token budgets are "
-                             "then in these units; docs/simulation.md)")
+                        help="optimizer steps to simulate (default: the recipe's num_steps, at "
+                             f"most 3 (k + 1) or {DEFAULT_STEPS}; the k = 0 run: "
+                             f"{SYNC_STEPS})")
+    parser.add_argument("--time-scale", type=float, default=20.0,
+                        help="model seconds per wall second (default 20: lower it when the "
+                             "report says the engines fell behind the clock)")
+    parser.add_argument("--token-granularity", type=int, default=None,
+                        help="model tokens per returned token; given, the recipe's token budgets "
+                             "are in these units (docs/simulation.md). Default: the power of two "
+                             f"that leaves at most {AUTO_RETURNED_TOKENS} returned tokens of "
+                             "thinking, the budgets converted")
     parser.add_argument("--max-running-requests", type=int, default=None,
                         help="per engine (default: the cost model's 256)")
     parser.add_argument("--engines-in-child-process", action="store_true",
@@ -56,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "in flight in the driver instead of two (over ~9000 in flight)")
     parser.add_argument("--median-tokens", type=float, default=None,
                         help="median completion length (default: half the thinking budget)")
-    parser.add_argument("--warmup-steps", type=int, default=1,
+    parser.add_argument("--warmup-steps", type=int, default=None,
                         help="first steps left out of the overall figures: the pipeline's fill "
-                             "(default 1)")
+                             "(default k + 1: the first step's wait fills k + 1 steps' groups, "
+                             "which the next k drain faster than the steady state)")
     parser.add_argument("--no-sync", action="store_true",
                         help="skip the synchronous (k = 0) run and the speed-up")
     parser.add_argument("--sweep", action="append", default=[], metavar="SPEC",
@@ -280,7 +384,7 @@ class Runner:
     stand-in model (written once) and the simulation settings."""
 
     def __init__(self, recipe: str, overrides: Sequence[str], settings, *,
-                 faults: str | None = None, warmup_steps: int = 1):
+                 faults: str | None = None, warmup_steps: int | None = None):
         from megatron_rl.config import load_config
 
         self.recipe, self.settings, self.faults = recipe, settings, faults
@@ -315,7 +419,9 @@ class Runner:
             plan = FaultPlan.parse(self.faults)
         backend = SimulatedBackend(self.settings,
                                    on_start=plan.install if plan is not None else None)
-        status, report = simulate(cfg, backend, warmup_steps=self.warmup_steps)
+        warmup = self.warmup_steps if self.warmup_steps is not None \
+            else cfg.rollout.max_off_policyness + 1
+        status, report = simulate(cfg, backend, warmup_steps=warmup)
         if plan is not None:
             report["faults"] = plan.record()
             write_record(report)
@@ -367,39 +473,53 @@ def run_sweep(runner: Runner, grid: dict[str, list[int]]) -> tuple[int, dict]:
 
 def main(argv: Sequence[str]) -> int:
     from megatron_rl.config import ConfigError
+    from megatron_rl.console import notice
     from megatron_rl.simulation.cluster import SimulationSettings
     from megatron_rl.simulation.sweep import parse_sweep
 
     args = build_parser().parse_intermixed_args(list(argv))
     overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"train.num_steps={args.steps}")
     try:
+        extra, granularity, notices, child = as_simulated(args.recipe, overrides, steps=args.steps,
+                                                   granularity=args.token_granularity)
+        for line in notices:
+            notice(f"simulate: {line}")
+        overrides += extra
         grid = parse_sweep(args.sweep) if args.sweep else None
         if args.faults:
             from megatron_rl.simulation.faults import FaultPlan  # another module's interface
 
             FaultPlan.parse(args.faults)  # a bad spec fails here, before any run
         settings = SimulationSettings(hardware=args.hardware, time_scale=args.time_scale,
-                                      token_granularity=args.token_granularity,
+                                      token_granularity=granularity,
                                       max_running_requests=args.max_running_requests,
                                       median_tokens=args.median_tokens,
-                                      engines_in_child_process=args.engines_in_child_process)
+                                      engines_in_child_process=args.engines_in_child_process
+                                      or child)
         runner = Runner(args.recipe, overrides, settings, faults=args.faults,
                         warmup_steps=args.warmup_steps)
     except (ConfigError, ValueError) as err:
         print(f"megatron-rl simulate: error: {err}", file=sys.stderr)
         return 2
-    if grid is not None:
-        status, _ = run_sweep(runner, grid)
-        return status
-    status, report = runner.run()
-    if not args.no_sync and runner.cfg.rollout.max_off_policyness > 0 and status == 0:
-        sync_status, sync = runner.run(["rollout.max_off_policyness=0"],
-                                       output_dir=f"{runner.output_dir}_sync")
-        add_sync(report, sync)
-        write_record(report)
-        status = status or sync_status
+    try:
+        if grid is not None:
+            status, _ = run_sweep(runner, grid)
+            return status
+        status, report = runner.run()
+        if not args.no_sync and runner.cfg.rollout.max_off_policyness > 0 and status == 0:
+            # k = 0 has no fill to drain: a few steps give its steady state (each waits for
+            # the step's longest completion, the slow part of the simulation).
+            steps = runner.cfg.train.num_steps if args.steps is not None \
+                else min(runner.cfg.train.num_steps, SYNC_STEPS)
+            sync_status, sync = runner.run(["rollout.max_off_policyness=0",
+                                            f"train.num_steps={steps}"],
+                                           output_dir=f"{runner.output_dir}_sync")
+            add_sync(report, sync)
+            write_record(report)
+            status = status or sync_status
+    except ConfigError as err:  # found once the run reads its data or checkpoint
+        print(f"megatron-rl simulate: error: {err}", file=sys.stderr)
+        return 2
     print_report(report)
     print(f"record: {Path(report['output_dir']) / 'simulation.json'}")
     return status

@@ -53,7 +53,7 @@ def test_the_cli_takes_sweep_no_sync_and_faults():
     args = build_parser().parse_intermixed_args(
         ["r.yaml", "a.b=1", "--sweep", "generators=8,14 k=0,8", "--no-sync", "--faults", "x"])
     assert args.sweep == ["generators=8,14 k=0,8"] and args.no_sync and args.faults == "x"
-    assert args.overrides == ["a.b=1"] and args.warmup_steps == 1
+    assert args.overrides == ["a.b=1"] and args.warmup_steps is None
 
 
 def test_grid_points_take_the_recipes_value_for_a_key_not_swept():
@@ -259,3 +259,48 @@ def test_the_sweep_table_marks_the_argmin_and_the_plot_is_written(tmp_path):
     assert table.columns[5]._cells == ["1.00", "3.00", "1.00", "3.57"]
     sweep.plot(rows, tmp_path / "sweep.png", "t")
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ the recipe as simulated
+
+
+def test_the_scout_recipe_as_simulated_here(monkeypatch):
+    """`megatron-rl simulate examples/llama4_scout/gb200_1rack.yaml` with nothing else given: 8
+    of its 7100 steps; granularity 64 (32768 / 64 = 512 returned tokens of thinking) with the
+    budgets converted; the zero-variance filter off (simulated rewards are all 0); generated
+    prompts (the recipe's data/math_prompts.jsonl is not here); and, at a hard limit of 20000
+    open files: (8 + 1) x 48 x 16 = 6912 training requests in flight leave 20000 - 1024 - 6912
+    = 12064 files for validation, 754 prompts x 16 (not 1000), and 2 x (6912 + 754 x 16) + 1024
+    > 20000, so the engines go to a child process."""
+    import resource
+
+    from megatron_rl.simulation.simulate import as_simulated
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 20000))
+    extra, g, notices, child = as_simulated("examples/llama4_scout/gb200_1rack.yaml", [],
+                                            steps=None, granularity=None)
+    settings = dict(o.split("=", 1) for o in extra)
+    assert g == 64 and child
+    assert settings == {
+        "train.num_steps": "27", "rollout.thinking_budget": "512",
+        "rollout.thinking_budget_min": "432", "rollout.solution_budget": "32",
+        "algorithm.zero_variance_filter": "false", "data.prompts": "rg/basic_arithmetic",
+        # 48 groups x (27 steps + k 8 + 2) + 1000 held out
+        "data.num_generated_prompts": str(48 * 37 + 1000),
+        "eval.num_heldout_prompts": "754"}
+    assert len(notices) == 6 and "754 (not 1000)" in notices[4]
+
+
+def test_what_the_user_gives_is_kept(monkeypatch):
+    """A granularity given keeps the budgets as given (in its units), steps given are used,
+    and a setting the user overrode is not touched."""
+    import resource
+
+    from megatron_rl.simulation.simulate import as_simulated
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 10 ** 6))
+    extra, g, notices, child = as_simulated(
+        "examples/llama4_scout/gb200_1rack.yaml",
+        ["algorithm.zero_variance_filter=true", "data.prompts=rg/basic_arithmetic"],
+        steps=3, granularity=128)
+    assert g == 128 and not child and extra == ["train.num_steps=3"] and notices == []
