@@ -97,6 +97,13 @@ def as_simulated(recipe: str, overrides: Sequence[str], *, steps: int | None,
         extra.append("algorithm.zero_variance_filter=false")
         notices.append("algorithm.zero_variance_filter=false: every simulated reward is 0, and "
                        "the filter would drop every group")
+    if cfg.eval.at_step_zero and "eval.at_step_zero" not in given:
+        extra.append("eval.at_step_zero=false")
+        notices.append(f"eval.at_step_zero=false: a validation of {cfg.eval.num_heldout_prompts} x "
+                       f"{cfg.eval.samples_per_prompt} samples of up to {r.max_response_tokens} "
+                       "tokens is hours of model time and minutes here; eval.at_step_zero=true "
+                       f"(or eval.interval_steps={cfg.eval.interval_steps} within --steps) puts "
+                       "its time in the report")
     prompts = cfg.data.prompts
     if not prompts.startswith("rg/") and not Path(prompts).exists():
         cfg = load_config(recipe, list(overrides) + extra)
@@ -483,7 +490,7 @@ def main(argv: Sequence[str]) -> int:
         extra, granularity, notices, child = as_simulated(args.recipe, overrides, steps=args.steps,
                                                    granularity=args.token_granularity)
         for line in notices:
-            notice(f"simulate: {line}")
+            notice(line, program="megatron-rl simulate")
         overrides += extra
         grid = parse_sweep(args.sweep) if args.sweep else None
         if args.faults:

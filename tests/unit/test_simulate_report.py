@@ -284,11 +284,12 @@ def test_the_scout_recipe_as_simulated_here(monkeypatch):
     assert settings == {
         "train.num_steps": "27", "rollout.thinking_budget": "512",
         "rollout.thinking_budget_min": "432", "rollout.solution_budget": "32",
-        "algorithm.zero_variance_filter": "false", "data.prompts": "rg/basic_arithmetic",
+        "algorithm.zero_variance_filter": "false", "eval.at_step_zero": "false",
+        "data.prompts": "rg/basic_arithmetic",
         # 48 groups x (27 steps + k 8 + 2) + 1000 held out
         "data.num_generated_prompts": str(48 * 37 + 1000),
         "eval.num_heldout_prompts": "754"}
-    assert len(notices) == 6 and "754 (not 1000)" in notices[4]
+    assert len(notices) == 7 and "754 (not 1000)" in notices[5]
 
 
 def test_what_the_user_gives_is_kept(monkeypatch):
@@ -301,6 +302,7 @@ def test_what_the_user_gives_is_kept(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 10 ** 6))
     extra, g, notices, child = as_simulated(
         "examples/llama4_scout/gb200_1rack.yaml",
-        ["algorithm.zero_variance_filter=true", "data.prompts=rg/basic_arithmetic"],
+        ["algorithm.zero_variance_filter=true", "data.prompts=rg/basic_arithmetic",
+         "eval.at_step_zero=true"],
         steps=3, granularity=128)
     assert g == 128 and not child and extra == ["train.num_steps=3"] and notices == []
