@@ -214,9 +214,9 @@ def loop():
     loop.stop()
 
 
-def _run(tmp_path, loop, monkeypatch, num, *overrides, durations=None):
-    """A pool of `num` started engines under GeneratorHealth -> (health, pool, manager,
-    trainers, world)."""
+def _launched_pool(monkeypatch, num, durations=None):
+    """A pool of `num` engines launched (not yet healthy), as RunCluster leaves it before
+    `wait_until_healthy` -> (pool, world)."""
     world = World(durations if durations is not None
                   else {"restart": RESTART_S, "wait_until_healthy": START_S})
     FakeServer.world = world
@@ -225,10 +225,6 @@ def _run(tmp_path, loop, monkeypatch, num, *overrides, durations=None):
     monkeypatch.setattr("megatron_rl.console.quiet_known_warnings", lambda **_: None)
     monkeypatch.setattr(generators_module, "kill_process_group", lambda *a, **k: None)
     monkeypatch.setattr(generators_module, "time", world.clock)
-    monkeypatch.setattr(recovery_module, "time", world.clock)
-    cfg = load_config("examples/configs/tiny_pipeline.yaml", [
-        f"output_dir={tmp_path}", f"rollout.num_generators={num}",
-        "rollout.engine_start_timeout_s=900", "rollout.health_check_interval_s=30", *overrides])
     names = [f"generator-{i}" for i in range(num)]
     settings = [SGLangServerSettings(model_path=".", random_seed=i) for i in range(num)]
     pool = GeneratorPool(None, [], names, start_timeout_s=900.0, call_timeout_s=30.0)
@@ -236,8 +232,21 @@ def _run(tmp_path, loop, monkeypatch, num, *overrides, durations=None):
     monkeypatch.setattr(pool, "_new_actor", lambda i: Handle(world, names[i], settings[i]))
     pool.actors = [pool._new_actor(i) for i in range(num)]
     pool._endpoints = [None] * num
-    for i, handle in enumerate(pool.actors):
+    for handle in pool.actors:
         handle.actor.launch()
+    return pool, world
+
+
+def _run(tmp_path, loop, monkeypatch, num, *overrides, durations=None):
+    """A pool of `num` started engines under GeneratorHealth -> (health, pool, manager,
+    trainers, world)."""
+    pool, world = _launched_pool(monkeypatch, num, durations)
+    monkeypatch.setattr(recovery_module, "time", world.clock)
+    cfg = load_config("examples/configs/tiny_pipeline.yaml", [
+        f"output_dir={tmp_path}", f"rollout.num_generators={num}",
+        "rollout.engine_start_timeout_s=900", "rollout.health_check_interval_s=30", *overrides])
+    names = pool.names
+    for i, handle in enumerate(pool.actors):
         pool._endpoints[i] = handle.actor.wait_until_healthy()
     pool.connected = set(names)
     cluster = types.SimpleNamespace(generators=pool, trainers=Trainers(), model_dir="/model",
@@ -466,29 +475,6 @@ def test_a_server_on_a_lost_node_counts_as_stopped_at_shutdown(tmp_path, loop, m
     else:
         with pytest.raises(GeneratorError, match="could not confirm.*generator-1"):
             pool.shutdown()
-
-
-def _launched_pool(monkeypatch, num, durations=None):
-    """A pool of `num` engines launched (not yet healthy), as RunCluster leaves it before
-    `wait_until_healthy` -> (pool, world)."""
-    world = World(durations if durations is not None
-                  else {"restart": RESTART_S, "wait_until_healthy": START_S})
-    FakeServer.world = world
-    monkeypatch.setitem(sys.modules, "ray", FakeRay(world))
-    monkeypatch.setattr("megatron_rl.rollout.SGLangServer", FakeServer)
-    monkeypatch.setattr("megatron_rl.console.quiet_known_warnings", lambda **_: None)
-    monkeypatch.setattr(generators_module, "kill_process_group", lambda *a, **k: None)
-    monkeypatch.setattr(generators_module, "time", world.clock)
-    names = [f"generator-{i}" for i in range(num)]
-    settings = [SGLangServerSettings(model_path=".", random_seed=i) for i in range(num)]
-    pool = GeneratorPool(None, [], names, start_timeout_s=900.0, call_timeout_s=30.0)
-    pool._settings = settings
-    monkeypatch.setattr(pool, "_new_actor", lambda i: Handle(world, names[i], settings[i]))
-    pool.actors = [pool._new_actor(i) for i in range(num)]
-    pool._endpoints = [None] * num
-    for handle in pool.actors:
-        handle.actor.launch()
-    return pool, world
 
 
 def test_engines_that_fail_to_start_at_launch_are_started_again_all_at_once(monkeypatch):
