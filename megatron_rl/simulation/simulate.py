@@ -97,13 +97,15 @@ def as_simulated(recipe: str, overrides: Sequence[str], *, steps: int | None,
         extra.append("algorithm.zero_variance_filter=false")
         notices.append("algorithm.zero_variance_filter=false: every simulated reward is 0, and "
                        "the filter would drop every group")
-    if cfg.eval.at_step_zero and "eval.at_step_zero" not in given:
-        extra.append("eval.at_step_zero=false")
-        notices.append(f"eval.at_step_zero=false: a validation of {cfg.eval.num_heldout_prompts} x "
-                       f"{cfg.eval.samples_per_prompt} samples of up to {r.max_response_tokens} "
-                       "tokens is hours of model time and minutes here; eval.at_step_zero=true "
-                       f"(or eval.interval_steps={cfg.eval.interval_steps} within --steps) puts "
-                       "its time in the report")
+    if not given & {"eval.at_step_zero", "eval.interval_steps"} and (
+            cfg.eval.at_step_zero or cfg.eval.interval_steps):
+        # (the driver also validates after the last step)
+        extra += ["eval.at_step_zero=false", "eval.interval_steps=0"]
+        notices.append(f"no validation (eval.at_step_zero=false, eval.interval_steps=0): one of "
+                       f"{cfg.eval.num_heldout_prompts} x {cfg.eval.samples_per_prompt} samples of "
+                       f"up to {r.max_response_tokens} tokens is hours of model time and many "
+                       "minutes here; give eval.at_step_zero=true or eval.interval_steps=N to "
+                       "have its time in the report")
     prompts = cfg.data.prompts
     if not prompts.startswith("rg/") and not Path(prompts).exists():
         cfg = load_config(recipe, list(overrides) + extra)

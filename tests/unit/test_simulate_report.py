@@ -285,6 +285,7 @@ def test_the_scout_recipe_as_simulated_here(monkeypatch):
         "train.num_steps": "27", "rollout.thinking_budget": "512",
         "rollout.thinking_budget_min": "432", "rollout.solution_budget": "32",
         "algorithm.zero_variance_filter": "false", "eval.at_step_zero": "false",
+        "eval.interval_steps": "0",
         "data.prompts": "rg/basic_arithmetic",
         # 48 groups x (27 steps + k 8 + 2) + 1000 held out
         "data.num_generated_prompts": str(48 * 37 + 1000),
