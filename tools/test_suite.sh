@@ -30,8 +30,9 @@ image=tests/integration/test_gpu_image.py
 node_loss=tests/e2e/test_fault_tolerance.py::test_node_loss_generator_node_leaves_and_comes_back_trainer_node_stops_for_resume
 demo=tests/e2e/test_demo.py
 sweep=tests/e2e/test_sweep.py
-# The real control plane on the simulated cluster (~5 min: the 1000 x 16 validation ~2 min, the
-# faults ~1 min, 64 and 256 engines ~1.5 min), beside the node-loss run and the demo.
+# The real control plane on the simulated cluster (~3.5 min in the suite: the 1000 x 16
+# validation on 64 engines ~1.5 min, the faults ~50 s, 256 engines ~30 s), beside the node-loss
+# run and the demo.
 scale=tests/scale
 streams=("tests/e2e --ignore=$colocated --ignore=$demo --ignore=$sweep --deselect=$node_loss"
          "$node_loss $demo $scale"

@@ -323,7 +323,9 @@ def print_report(report: dict) -> None:
                      for step, v in o["validation_model_s"].items()) or "none run")
         + f"\noverall figures over steps {o['steps_counted']}")
     cost = report.get("cost_model")
-    if cost:
+    if cost and "error" in cost:
+        console.print(f"cost model (megatron-rl cost) for this split: {cost['error']}")
+    elif cost:
         console.print(f"cost model (megatron-rl cost) for this split: step {cost['step_s']:.1f} "
                       f"s, {cost['gpu_hours_per_step']:.3f} GPU-hours per step")
     sync = report.get("sync")
@@ -364,10 +366,15 @@ def write_record(report: dict) -> None:
 def _cost_model(report: dict, cluster) -> dict:
     from megatron_rl.simulation.sweep import analytic
 
-    return analytic(cluster.engine_timing.model, generators=report["engines"],
-                    devices_per_engine=cluster.layout.devices_per_generator,
-                    trainer_devices=report["trainer_devices"], k=report["max_off_policyness"],
-                    token_granularity=report["token_granularity"])
+    try:
+        return analytic(cluster.engine_timing.model, generators=report["engines"],
+                        devices_per_engine=cluster.layout.devices_per_generator,
+                        trainer_devices=report["trainer_devices"],
+                        k=report["max_off_policyness"],
+                        token_granularity=report["token_granularity"])
+    except ValueError as err:  # the cost model refuses the split (e.g. no KV room for one
+        # sequence): the simulation's own figures stand; the comparison says why it is missing
+        return {"error": str(err)}
 
 
 def sync_summary(sync: dict) -> dict:

@@ -117,7 +117,8 @@ def sweep_row(report: dict, cost: dict) -> dict:
             "trainer_idle_share": o["trainer_idle_share"],
             "stale_token_share": stale_share(o["staleness_tokens"]),
             "engine_max_lag_model_s": o["engine_max_lag_model_s"],
-            "cost_step_s": cost["step_s"], "cost_gpu_hours_per_step": cost["gpu_hours_per_step"]}
+            "cost_step_s": cost.get("step_s", math.nan),
+            "cost_gpu_hours_per_step": cost.get("gpu_hours_per_step", math.nan)}
 
 
 def stale_share(staleness_tokens: Sequence[float]) -> float:

@@ -165,6 +165,10 @@ def test_scout_validation_1000_x_16_beside_training_on_64_engines(tmp_path, monk
     [step] = [r for r in records if "step" in r]
     assert len(step["trained"]) == PROMPTS_PER_STEP
     assert records[-1]["next_group_id"] >= (K + 1) * PROMPTS_PER_STEP
+    # The run checkpoint by the real save path, and the record `megatron-rl simulate` writes.
+    assert (tmp_path / "run" / "checkpoints" / "step_000001").is_dir()
+    saved = json.loads((tmp_path / "run" / "simulation.json").read_text())
+    assert saved["overall"]["engine_max_batch"]["engines_at_limit"] == NUM_ENGINES
     print(f"64 engines, 1000 x 16 validation beside (k + 1) x 48 x 16 = "
           f"{(K + 1) * PROMPTS_PER_STEP * SAMPLES} training requests: {wall:.0f} s wall; "
           f"continuations admitted {sum(s.priority_admissions for s in stats)}, fresh requests "
