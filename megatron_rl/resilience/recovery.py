@@ -91,6 +91,10 @@ class GeneratorHealth:
         self._strikes: dict[int, int] = {}  # failed timer health checks in a row
         self._given_up: set[int] = set()
         self._lost: dict[int, str] = {}  # generator -> why its node is gone (not yet handled)
+        # Generators restarted in place -> the node they served on: a node Ray declares dead
+        # after a request saw its engine fail (before the verdict) turns the restart into a
+        # re-creation, as if the loss had been seen first.
+        self._restarting_on: dict[int, str] = {}
         # Generators out of the rotation being brought back (restarting, re-created, waiting
         # out a backoff, or started) -> their fault record; all of them at once, none waited for.
         self._placing: dict[int, dict] = {}
@@ -205,7 +209,19 @@ class GeneratorHealth:
         message names the engines it also held). The node table is the cluster's
         (`RunClusterInterface.lost_nodes`, cluster/backend.py): Ray's, or the simulated one."""
         serving = self.generators.serving()
-        lost = self.cluster.lost_nodes(e.node_id for e in serving.values())
+        lost = self.cluster.lost_nodes([e.node_id for e in serving.values()]
+                                       + list(self._restarting_on.values()))
+        for index, node_id in list(self._restarting_on.items()):
+            if index not in self._placing:  # back in the rotation, or given up
+                del self._restarting_on[index]
+            elif node_id in lost:
+                del self._restarting_on[index]
+                for pending in (self._retry_at, self._started, self._joining):
+                    pending.pop(index, None)
+                self._joining_connected.discard(index)
+                self._place_later(index, self._placing[index],
+                                  f"its node {lost[node_id]} (Ray node id {node_id[:12]}) was "
+                                  "lost while it restarted")
         for index, endpoint in serving.items():
             if endpoint.node_id in lost:
                 self._lost[index] = (f"its node {lost[endpoint.node_id]} (Ray node id "
@@ -264,8 +280,12 @@ class GeneratorHealth:
         if index in self._lost:  # the node is gone: no restart in place
             self._place_later(index, fault, self._lost.pop(index))
             return
+        endpoint = self.generators.serving().get(index)
+        if endpoint is not None:
+            self._restarting_on[index] = endpoint.node_id
         self._placing[index] = fault
         self._attempt(index)
+        self._on_restarted()  # processes.json: it left the rotation
 
     def _attempt(self, index: int) -> None:
         """The next restart of generator `index` (its fault in `_placing`), or give it up once

@@ -509,3 +509,34 @@ def test_an_engine_that_never_starts_ends_the_launch_naming_it(monkeypatch):
     assert "'generator-1'" in message and "address already in use" in message
     assert "'generator-3'" not in message  # its second start succeeded
     assert world.failing_starts["generator-1"] == 2  # three starts spent, no more
+
+
+def test_a_node_lost_while_its_engine_restarts_turns_the_restart_into_a_re_creation(
+        tmp_path, loop, monkeypatch):
+    """A request sees generator-1 fail before Ray declares its node dead: the driver restarts it
+    in place (processes.json rewritten: it left the rotation). Once the node table says the
+    node is lost, the restart becomes a re-creation (replace: a new actor Ray places when a node
+    has room), and the fault names the lost node, first seen as the request's failure."""
+    health, pool, manager, trainers, world = _run(tmp_path, loop, monkeypatch, 2,
+                                                  "rollout.max_generator_restarts=3")
+    left = []
+    health._on_restarted = lambda: left.append(sorted(pool.serving()))
+    lost: dict[str, str] = {}
+    health.cluster.lost_nodes = lambda ids: {n: lost[n] for n in ids if n in lost}
+    pool._endpoints[0] = dataclasses.replace(pool._endpoints[0], node_id="node-b")
+    node = pool.endpoints[1].node_id
+    manager.mark_down(1, "generator 'generator-1': Cannot connect to host")
+    health.check()
+    assert health._placing and pool._replacing[1].stage == "restart"
+    assert left == [[0]]  # processes.json lists the one still serving
+    lost[node] = "10.0.0.7"
+    world.clock.sleep(31.0)  # the next timed check (every 30 s); the new server still starts
+    health.check()
+    # Re-created: a new actor (placed at once here: the stand-in has room), its server starting.
+    assert world.actors_created == 3 and pool._replacing[1].stage == "healthy"
+    assert health._restarting_on == {}
+    assert manager.down == {1} and left[-1] == [0]
+    fault = health._placing[1]
+    assert "generator 'generator-1': its node 10.0.0.7" in fault["what"]
+    assert "was lost while it restarted (first seen as: generator 'generator-1': Cannot " \
+        "connect to host)" in fault["what"]
