@@ -185,6 +185,8 @@ class GeneratorHealth:
         down = self.loop.run(lambda: self.manager.down) - self._given_up - set(self._placing)
         for index in sorted(down):  # all started at once; none is waited for here
             self._restart(index)
+        if down:
+            self._on_restarted()  # processes.json once: they left the rotation
         self._take_back_placed(now=now)
         self._check_enough()
         if now:
@@ -285,7 +287,6 @@ class GeneratorHealth:
             self._restarting_on[index] = endpoint.node_id
         self._placing[index] = fault
         self._attempt(index)
-        self._on_restarted()  # processes.json: it left the rotation
 
     def _attempt(self, index: int) -> None:
         """The next restart of generator `index` (its fault in `_placing`), or give it up once
