@@ -488,6 +488,17 @@ class RolloutConfig:
         "is hung: taken out of the rotation and restarted. A request itself has no time limit "
         "(it includes queueing behind every other request and weight-update pauses). At least "
         "30 s: SGLang's own health window is 20 s", ge=30.0)
+    precision: Literal["bf16", "fp8"] = _field(
+        "bf16", "weights the generators serve: bf16 (the trainer's weights as they are) or fp8 "
+        "(e4m3, quantised by the weight sync in the layout SGLang's FP8 loader reads; "
+        "docs/low_precision.md)")
+    fp8_block_size: int | None = _field(
+        128, "with precision fp8: square block of the block-wise scales (SGLang "
+        "weight_block_size [n, n]; every fused projection's shard must be a multiple of it); "
+        "null = one scale per tensor", ge=1)
+    fp8_scale_fmt: Literal["float32", "ue8m0"] = _field(
+        "float32", "with precision fp8 and blocks: the block scales as float32, or as powers "
+        "of two (ue8m0: SGLang's DeepGEMM path on Blackwell requantises to them)")
 
     def __post_init__(self) -> None:
         _check_fields(self)
