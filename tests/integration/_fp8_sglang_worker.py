@@ -201,7 +201,8 @@ layout = fp8.Fp8Layout.from_quantization_config(qc)
 model = Qwen3MoeForCausalLM(hf_cfg, quant_config=Fp8Config.from_config(qc))
 params = dict(model.named_parameters())
 generator = torch.Generator().manual_seed(1)
-hf = {name: torch.randn(hf_shape(name, params), generator=generator) * 0.05 for name in names}
+hf = {name: torch.randn(hf_shape(name, params), generator=generator, dtype=torch.float32) * 0.05
+      for name in names}  # the trainer's fp32 (the default dtype is bf16 here)
 groups = bound.weight_groups()
 megatron = convert_state_dict(groups, hf, to="megatron")
 sync = object.__new__(WeightSync)  # its conversion only: settings and quantiser
