@@ -145,7 +145,7 @@ def test_settings_from_the_run_config():
 # Issue 40: FP8-serving generators. HF names, so that fp8.fp8_quantized (SGLang's rule) picks
 # the projections; [16, 16] blocks.
 L0 = "model.layers.0."
-FP8_SHAPES = {"emb": (40, 32), "qkv": (64, 32), "fc2": (32, 48), "norm": (32,),
+FP8_SHAPES = {"emb": (40, 32), "qkv": (64, 32), "fc2": (40, 48), "norm": (32,),
               "experts_fc1": (2, 32, 64)}
 FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
 
@@ -175,26 +175,27 @@ def test_fp8_plan_has_weights_and_scales_in_bytes_and_nothing_quantised_in_place
     (bucket,) = plan_buckets(groups, _fp8_meta, bucket_bytes=10**6, quantiser=quantiser)
     attn = L0 + "self_attn."
     # Item size 4 first (fp32 tensors sent as they are, float32 scales), in mapping order, then
-    # the fp8 weights (1 byte). q_proj [32, 32] (heads of 16), k / v [16, 32], down [32, 48].
+    # the fp8 weights (1 byte). q_proj [32, 32] (heads of 16), k / v [16, 32], down [40, 48]
+    # (a partial row of blocks: 3 x 3 scales).
     names = ["model.embed_tokens.weight", attn + "q_proj.weight_scale_inv",
              attn + "k_proj.weight_scale_inv", attn + "v_proj.weight_scale_inv",
              L0 + "mlp.down_proj.weight_scale_inv", L0 + "input_layernorm.weight",
              attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight",
              L0 + "mlp.down_proj.weight"]
     assert [s.name for s in bucket.specs] == names
-    assert [s.shape for s in bucket.specs] == [(40, 32), (2, 2), (1, 2), (1, 2), (2, 3), (32,),
-                                               (32, 32), (16, 32), (16, 32), (32, 48)]
+    assert [s.shape for s in bucket.specs] == [(40, 32), (2, 2), (1, 2), (1, 2), (3, 3), (32,),
+                                               (32, 32), (16, 32), (16, 32), (40, 48)]
     assert [s.dtype for s in bucket.specs] == [torch.float32] * 6 + [torch.float8_e4m3fn] * 4
-    # Bytes: 5120 + 4 * (4 + 2 + 2 + 6) + 128, then 1024 + 512 + 512 + 1536.
-    assert bucket.offsets == (0, 5120, 5136, 5144, 5152, 5176, 5304, 6328, 6840, 7352)
-    assert bucket.num_bytes == 8888 and bucket.num_quantized == 4
+    # Bytes: 5120 + 4 * (4 + 2 + 2 + 9) + 128, then 1024 + 512 + 512 + 1920.
+    assert bucket.offsets == (0, 5120, 5136, 5144, 5152, 5188, 5316, 6340, 6852, 7364)
+    assert bucket.num_bytes == 9284 and bucket.num_quantized == 4
     # The renamed down_proj is quantised, so not gathered straight into its slot.
     assert bucket.in_place == {"model.embed_tokens.weight": "emb",
                                L0 + "input_layernorm.weight": "norm"}
     # Buckets fill by bytes: the q/k/v group is 2048 fp8 + 32 scale bytes (8192 in fp32), and
-    # down_proj's 1536 + 24 bytes leave room for the norm's 128.
+    # down_proj's 1920 + 36 bytes leave no room for the norm's 128.
     split = plan_buckets(groups, _fp8_meta, bucket_bytes=2080, quantiser=quantiser)
-    assert [b.num_bytes for b in split] == [5120, 2080, 1536 + 24 + 128]
+    assert [b.num_bytes for b in split] == [5120, 2080, 1956, 128]
     # Per-tensor scales: 0-dim float32 `weight_scale`.
     per_tensor = _quantiser(groups, {"quant_method": "fp8"})
     (bucket,) = plan_buckets(groups[1:2], _fp8_meta, bucket_bytes=10**6, quantiser=per_tensor)
