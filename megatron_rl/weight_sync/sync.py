@@ -188,6 +188,8 @@ def sender_port(settings: WeightSyncSettings, groups: WeightSyncGroups, *, name:
 class WeightSync:
     """See the module docstring. `model` is this rank's (DDP / Float16Module wrapped) chunk."""
 
+    quantiser: SyncQuantiser | None = None  # FP8-serving generators (set in __init__)
+
     def __init__(self, model, mapping: Sequence, generators: Sequence[Generator],
                  settings: WeightSyncSettings = WeightSyncSettings(), *,
                  groups: WeightSyncGroups | None = None, hf_vocab_size: int | None = None):
