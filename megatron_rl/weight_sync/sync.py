@@ -395,7 +395,8 @@ class WeightSync:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights as the generators receive them ({HF name: tensor}, the
-        generators' dtype) on the sender, {} elsewhere; every rank of the stage calls it."""
+        generators' dtype; fp8 weights and their scales where they serve FP8) on the sender, {}
+        elsewhere; every rank of the stage calls it."""
         state = {}
         for bucket in self.plan:
             full = self.gatherer.gather(bucket.megatron_names, arena=self.arena)

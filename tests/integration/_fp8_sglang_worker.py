@@ -178,7 +178,7 @@ for label, qc in (("block", {"weight_block_size": [16, 16]}), ("per_tensor", {})
     out[f"load_{label}_mismatched"] = mismatched_params(params, sent, layout)
     out[f"load_{label}_fp8_params"] = sum(p.dtype == torch.float8_e4m3fn for p in params.values())
 
-# 4. The same model fed through the weight sync's own code and SGLang's own receiving side: the
+# 2b. The same model fed through the weight sync's own code and SGLang's own receiving side: the
 # sync's plan and conversion (WeightSync._convert, without a trainer: the Megatron tensors are
 # the HF ones converted by the family's mapping, fp32 as the CPU trainer holds them, bf16 the
 # generators' dtype) fill the buckets; megatron_rl's DistributedTransport broadcasts them over
