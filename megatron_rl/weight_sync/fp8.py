@@ -180,12 +180,20 @@ def unfuse_llama4_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Te
         raise ValueError(f"{name!r} {tuple(tensor.shape)} is not a Llama-4 fused expert tensor "
                          "(`...experts.gate_up_proj` [E, H, 2I] or `...experts.down_proj` "
                          "[E, I, H])")
+    return dict(iter_unfused_llama4_experts(name, tensor))
+
+
+def iter_unfused_llama4_experts(name: str, tensor: torch.Tensor):
+    """`unfuse_llama4_experts` one (name, tensor) at a time: each per-expert copy is made when
+    it is asked for, so the sync holds one at a time besides the fused tensor."""
+    base, _, leaf = name.rpartition(".")
     if leaf == "down_proj":
-        return {f"{base}.{e}.down_proj.weight": expert.T.contiguous()
-                for e, expert in enumerate(tensor)}
-    return {f"{base}.{e}.{proj}.weight": half.T.contiguous()
-            for e, expert in enumerate(tensor)
-            for proj, half in zip(("gate_proj", "up_proj"), expert.chunk(2, dim=-1))}
+        for e, expert in enumerate(tensor):
+            yield f"{base}.{e}.down_proj.weight", expert.T.contiguous()
+        return
+    for e, expert in enumerate(tensor):
+        for proj, half in zip(("gate_proj", "up_proj"), expert.chunk(2, dim=-1)):
+            yield f"{base}.{e}.{proj}.weight", half.T.contiguous()
 
 
 def check_llama4_block_rows(layout: Fp8Layout, head_dim: int) -> None:
@@ -279,17 +287,14 @@ class SyncQuantiser:
         if head_dim is not None and any(_is_llama4_fused_experts(n) for n in hf_names):
             check_llama4_block_rows(self.layout, head_dim)
 
-    def _pieces(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        if _is_llama4_fused_experts(name):
-            return unfuse_llama4_experts(name, tensor)
-        return {name: tensor}
-
     def planned(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """What `quantize(name, tensor)` returns, as meta tensors (name -> dtype, shape)."""
         if name not in self.quantised:
             return None
+        pieces = unfuse_llama4_experts(name, tensor) if _is_llama4_fused_experts(name) \
+            else {name: tensor}
         out = {}
-        for piece_name, piece in self._pieces(name, tensor).items():
+        for piece_name, piece in pieces.items():
             *batch, rows, cols = piece.shape
             if self.layout.weight_block_size is None:
                 scale_shape = ()
@@ -305,10 +310,17 @@ class SyncQuantiser:
         """{HF name: fp8 weight or its scale} sent in place of `name`; None: send it as it is."""
         if name not in self.quantised:
             return None
-        out = {}
-        for piece_name, piece in self._pieces(name, tensor).items():
-            out.update(quantize_named(piece_name, piece, self.layout))
-        return out
+        return dict(self.iter_quantized(name, tensor))
+
+    def iter_quantized(self, name: str, tensor: torch.Tensor):
+        """`quantize(name, tensor)` one (HF name, tensor) at a time, each piece quantised when
+        asked for: the sync copies each into its bucket slot before the next is made (Scout's
+        fused expert stack is 2.7 GB in bf16; its quantised pieces together would be half that
+        again)."""
+        unfused = iter_unfused_llama4_experts(name, tensor) \
+            if _is_llama4_fused_experts(name) else [(name, tensor)]
+        for piece_name, piece in unfused:
+            yield from quantize_named(piece_name, piece, self.layout).items()
 
 
 def _is_llama4_fused_experts(name: str) -> bool:

@@ -475,15 +475,19 @@ class WeightSync:
                 if self.quantiser is None or name not in self.quantiser.quantised:
                     yield name, tensor, False
                     continue
-                tick = time.perf_counter()
                 # Quantise what the generators would hold in their dtype (SGLang's online FP8
                 # quantises its bf16 weights; a served FP8 checkpoint is made from the bf16 one),
-                # so version 0 sent equals the checkpoint served.
-                quantized = self.quantiser.quantize(name, tensor.to(dtype or tensor.dtype))
-                if counts is not None:
-                    counts.quantize_s += time.perf_counter() - tick
-                for quantized_name, quantized_tensor in quantized.items():
-                    yield quantized_name, quantized_tensor, True
+                # so version 0 sent equals the checkpoint served. One piece at a time: each is
+                # copied into its slot before the next is made.
+                pieces = self.quantiser.iter_quantized(name, tensor.to(dtype or tensor.dtype))
+                while True:
+                    tick = time.perf_counter()
+                    piece = next(pieces, None)
+                    if counts is not None:
+                        counts.quantize_s += time.perf_counter() - tick
+                    if piece is None:
+                        break
+                    yield (*piece, True)
 
     def _bucket_buffers(self) -> list[torch.Tensor]:
         """Two buffers of the largest bucket (one is filled while the other is sent), kept from
