@@ -119,8 +119,8 @@ def test_metrics_hand_computed():
     assert out["mismatch/ratio_p50"] == pytest.approx(1.0, abs=1e-12)
     assert out["mismatch/ratio_p75"] == pytest.approx(2.0, abs=1e-12)
     # Kept by both: tokens 3 and 4 of 5; completion 0 of 2 dropped.
-    assert out["mismatch/masked_token_share"] == pytest.approx(0.6)
-    assert out["mismatch/masked_sequence_share"] == pytest.approx(0.5)
+    assert out["mismatch/masked_token_fraction"] == pytest.approx(0.6)
+    assert out["mismatch/masked_sequence_fraction"] == pytest.approx(0.5)
 
 
 def test_metrics_skip_masked_tokens():
@@ -130,6 +130,6 @@ def test_metrics_skip_masked_tokens():
     # r = [1/4, 1, 2, 1/2]: k1 = -mean(log r) = ln 4 / 4; k3 = ((3.75 - 4) + ln 4) / 4.
     assert out["mismatch/kl_k1"] == pytest.approx(math.log(4) / 4, abs=1e-12)
     assert out["mismatch/kl_k3"] == pytest.approx((-0.25 + math.log(4)) / 4, abs=1e-12)
-    assert out["mismatch/masked_token_share"] == 0.0
-    assert "mismatch/masked_sequence_share" not in out
+    assert out["mismatch/masked_token_fraction"] == 0.0
+    assert "mismatch/masked_sequence_fraction" not in out
     assert mismatch_metrics(TRAIN, GEN, loss_mask=torch.zeros(5)) == {}
