@@ -666,9 +666,6 @@ class AlgorithmConfig:
         _require(self.length_penalty_cache_length < self.length_penalty_max_length,
                  f"algorithm.length_penalty_cache_length: {self.length_penalty_cache_length} must "
                  f"be < algorithm.length_penalty_max_length ({self.length_penalty_max_length})")
-        _require(self.tis_cap is None or math.isfinite(self.tis_cap),
-                 "algorithm.tis_cap: must be a finite cap (e.g. 2.0), or null for no truncated "
-                 "importance sampling")
         _require(self.tis_cap is None or self.loss != "cispo",
                  f"algorithm.tis_cap: set to {self.tis_cap!r}, but CISPO already weighs each "
                  "token by sg(min(pi_train / pi_gen, eps_max)) against the generator's own "
