@@ -96,3 +96,28 @@ def test_tis_on_gspo_keeps_the_sequence_ratio_at_one():
     loss, grad, _, _ = _step(LossSettings(kind="gspo", aggregation="prompt",
                                           mismatch=MismatchCorrection(tis_cap=2.0)))
     _close(grad, [-a * min(r, 2.0) / 5 for r, a in zip(RATIOS, ADVANTAGES)])
+
+
+def test_step_metrics_reach_the_train_scalars():
+    """The step's mismatch metrics become TensorBoard train/mismatch/* scalars (metrics.py), from
+    the trainer's StepMetrics and from the simulated cluster's mirror of it alike."""
+    import dataclasses
+
+    from megatron_rl.metrics import RunMetrics
+    from megatron_rl.simulation.cluster import SimulatedStepMetrics
+    from megatron_rl.trainer import StepMetrics
+
+    assert {f.name for f in dataclasses.fields(SimulatedStepMetrics)} == {
+        f.name for f in dataclasses.fields(StepMetrics)}
+    _, _, _, metrics = _step(LossSettings(kind="cispo", aggregation="prompt"))
+    step = SimulatedStepMetrics(
+        step=1, loss=0.0, grad_norm=0.0, clip_fraction=0.0, mean_ratio=1.0, logp_mismatch=0.0,
+        logp_mismatch_max=0.0, entropy=0.0, num_loss_tokens=5, num_tokens=7,
+        num_micro_batches=1, learning_rate=1e-6, skipped=False, num_skipped_steps=0,
+        mismatch=metrics)
+    scalars = RunMetrics.train(step, 1.0)
+    assert {name for name in scalars if name.startswith("train/mismatch/")} == {
+        "train/mismatch/kl_k1", "train/mismatch/kl_k3", "train/mismatch/ratio_p01",
+        "train/mismatch/ratio_p50", "train/mismatch/ratio_p99",
+        "train/mismatch/masked_token_fraction", "train/mismatch/masked_sequence_fraction"}
+    _close(scalars["train/mismatch/kl_k3"], 0.55)
