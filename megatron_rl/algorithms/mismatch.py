@@ -150,13 +150,15 @@ def mismatch_metrics(train_logp: torch.Tensor, gen_logp: torch.Tensor, *,
     masked: tokens (1 - mean token_kept & sequence_kept) and completions (of those in
     `sample_index`, the share whose sequence_kept is False). Local to this call, quantiles exact;
     the trainer reports the same metrics from `mismatch_sums` added over ranks."""
+    _ratio(train_logp, gen_logp, loss_mask)  # checks the shapes
     mask = _loss_mask(loss_mask, train_logp)
-    ratio = _ratio(train_logp, gen_logp, loss_mask)[mask].double()
-    if ratio.numel() == 0:
+    log_ratio = (train_logp.detach().double() - gen_logp.detach().double())[mask].clamp(
+        -MAX_LOG_RATIO, MAX_LOG_RATIO)  # float64, as mismatch_sums
+    if log_ratio.numel() == 0:
         return {}
-    log_ratio = torch.log(ratio)
+    ratio = torch.exp(log_ratio)
     out = {f"{prefix}kl_k1": float((-log_ratio).mean()),
-           f"{prefix}kl_k3": float((ratio - 1 - log_ratio).mean())}
+           f"{prefix}kl_k3": float((torch.expm1(log_ratio) - log_ratio).mean())}
     values = torch.quantile(ratio, torch.tensor(quantiles, dtype=torch.float64))
     out.update({f"{prefix}{_quantile_name(q)}": float(v) for q, v in zip(quantiles, values)})
     kept = torch.ones_like(mask)
@@ -182,8 +184,11 @@ def mismatch_sums(train_logp: torch.Tensor, gen_logp: torch.Tensor, sample_index
     `metrics_from_sums` reads. Completions are counted by 1 / n per token, n being the
     completion's whole loss-token count (`completion_num_tokens` [T], given where a completion is
     split over calls; else counted here), so a split completion adds up to 1."""
+    _ratio(train_logp, gen_logp, loss_mask)  # checks the shapes
     mask = _loss_mask(loss_mask, train_logp)
-    log_ratio = torch.log(_ratio(train_logp, gen_logp, loss_mask))[mask].double()
+    # In float64 from the log-probs: exp then log in float32 would lose a 1e-6 mismatch.
+    log_ratio = (train_logp.detach().double() - gen_logp.detach().double())[mask].clamp(
+        -MAX_LOG_RATIO, MAX_LOG_RATIO)
     if completion_num_tokens is None:
         _, segment, counts = torch.unique(sample_index[mask], return_inverse=True,
                                           return_counts=True)

@@ -181,3 +181,15 @@ def test_histogram_quantiles_follow_torch_quantile():
                                                   rel=1e-9)
     assert out["mismatch/masked_token_fraction"] == 0.0
     assert out["mismatch/masked_sequence_fraction"] == 0.0
+
+
+def test_sums_keep_a_bf16_sized_mismatch_of_float32_logprobs():
+    """A 1e-6 mismatch (BF16 serving against the trainer) between float32 log-probs: k1 and k3
+    from the float64 differences (exp then log in float32 would round r to 1.2e-7 steps)."""
+    gen = torch.Generator().manual_seed(1)
+    gen_logp = -5 * torch.rand(4000, generator=gen)
+    train_logp = gen_logp + 1e-6 * torch.randn(4000, generator=gen)
+    log_r = train_logp.double() - gen_logp.double()
+    out = metrics_from_sums(mismatch_sums(train_logp, gen_logp, torch.zeros(4000, dtype=int)))
+    assert out["mismatch/kl_k1"] == pytest.approx(float(-log_r.mean()), rel=1e-9, abs=0)
+    assert out["mismatch/kl_k3"] == pytest.approx(float((log_r ** 2 / 2).mean()), rel=1e-4)
