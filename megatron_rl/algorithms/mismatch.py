@@ -105,8 +105,11 @@ def sequence_keep(train_logp: torch.Tensor, gen_logp: torch.Tensor, sample_index
     unmasked tokens, or `sequence_log_ratio` [T] when a completion is split over calls) in
     [low, high]."""
     if sequence_log_ratio is None:
+        # The clamped log-ratio gspo_log_ratio_sums adds up where a completion is split.
+        _ratio(train_logp, gen_logp, loss_mask)  # checks the shapes
         mask = _loss_mask(loss_mask, train_logp)
-        log_ratio = torch.log(_ratio(train_logp, gen_logp, loss_mask))
+        log_ratio = (train_logp.detach() - gen_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
         sequence_log_ratio = _segment_mean(log_ratio, mask, sample_index)
     ratio = torch.exp(sequence_log_ratio.detach())
     return (ratio >= window[0]) & (ratio <= window[1])

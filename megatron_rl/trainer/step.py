@@ -56,7 +56,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_rl import platform
-from megatron_rl.algorithms.mismatch import NUM_SUMS, MismatchCorrection
+from megatron_rl.algorithms.mismatch import NUM_SUMS, MismatchCorrection, metrics_from_sums
 from megatron_rl.platform import collective_device
 from megatron_rl.trainer.batch import MicroBatch
 from megatron_rl.trainer.parallel import ParallelGroups
@@ -151,8 +151,6 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
     if groups.pp_size > 1:
         torch.distributed.broadcast(stats, src=groups.pipeline_last_rank, group=groups.pp)
         torch.distributed.broadcast(largest, src=groups.pipeline_last_rank, group=groups.pp)
-    from megatron_rl.algorithms import metrics_from_sums
-
     values = dict(zip(_STATS, stats.tolist()))
     return ForwardBackwardResult(
         loss=values["loss"], num_loss_tokens=int(values["num_loss_tokens"]),
