@@ -593,7 +593,9 @@ class AlgorithmConfig:
     defaults for its own parameters (LOSS_DEFAULTS: CISPO eps_max 5; GRPO 0.2 / 0.2; DAPO
     0.2 / 0.28; GSPO 3e-4 / 4e-4), filled in when left null; setting a parameter of another loss
     is an error. The length penalty (DAPO-style, an ablation alternative to forced interruption)
-    needs length_penalty_cache_length < length_penalty_max_length."""
+    needs length_penalty_cache_length < length_penalty_max_length. The train / rollout mismatch
+    corrections (docs/low_precision.md; all off, as ScaleRL) are tis_cap (not with CISPO) and the
+    windows mismatch_sequence_* / mismatch_token_*, each set with both bounds, low < 1 < high."""
 
     SECTION: ClassVar[str] = "algorithm"
 
@@ -634,6 +636,22 @@ class AlgorithmConfig:
                                             "full penalty -1", ge=1)
     length_penalty_cache_length: int = _field(2048, "L_cache: the penalty ramps from 0 to -1 "
                                               "over the last L_cache tokens before L_max", ge=1)
+    tis_cap: float | None = _field(
+        None, "DAPO/GRPO/GSPO: token-level truncated importance sampling against the generator, "
+        "each token's loss times sg(min(pi_train_old / pi_gen, tis_cap)), the loss's own ratio "
+        "then against the trainer's old log-probs (not with CISPO, whose ratio already is this); "
+        "null = off", gt=0.0)
+    mismatch_sequence_low: float | None = _field(
+        None, "drop a completion whose geometric-mean pi_train / pi_gen is below this (MIS / "
+        "seq-mask; with mismatch_sequence_high); null = off", ge=0.0, lt=1.0)
+    mismatch_sequence_high: float | None = _field(
+        None, "drop a completion whose geometric-mean pi_train / pi_gen is above this; null = "
+        "off", gt=1.0)
+    mismatch_token_low: float | None = _field(
+        None, "drop tokens whose pi_train / pi_gen is below this (IcePop; with "
+        "mismatch_token_high); null = off", ge=0.0, lt=1.0)
+    mismatch_token_high: float | None = _field(
+        None, "drop tokens whose pi_train / pi_gen is above this; null = off", gt=1.0)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -648,6 +666,16 @@ class AlgorithmConfig:
         _require(self.length_penalty_cache_length < self.length_penalty_max_length,
                  f"algorithm.length_penalty_cache_length: {self.length_penalty_cache_length} must "
                  f"be < algorithm.length_penalty_max_length ({self.length_penalty_max_length})")
+        _require(self.tis_cap is None or self.loss != "cispo",
+                 f"algorithm.tis_cap: set to {self.tis_cap!r}, but CISPO already weighs each "
+                 "token by sg(min(pi_train / pi_gen, eps_max)) against the generator's own "
+                 "log-probs, which is truncated importance sampling; a second factor would count "
+                 "the mismatch twice. Remove tis_cap (tune eps_max) or use loss dapo / grpo / gspo")
+        for window in ("sequence", "token"):
+            low, high = (getattr(self, f"mismatch_{window}_{end}") for end in ("low", "high"))
+            _require((low is None) == (high is None),
+                     f"algorithm.mismatch_{window}_low / _high: set both (the window of ratios "
+                     f"kept, low < 1 < high, e.g. 0.5 and 2.0) or neither; got {low!r} / {high!r}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -198,7 +198,9 @@ class RunMetrics:
                 "train/routing_flip_fraction": step.routing_flip_fraction,
                 "train/logp_mismatch_without_replay": step.logp_mismatch_without_replay,
                 "perf/train_seconds": seconds,
-                "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)} | (
+                "perf/train_tokens_per_s": step.num_tokens / max(seconds, 1e-9)} | {
+            # train/mismatch/kl_k1, kl_k3, ratio_p01 / p50 / p99, masked_*_fraction (issue 40)
+            f"train/{name}": value for name, value in step.mismatch.items()} | (
             # colocated: what the trainer released for generation (trainer.py offload)
             {"colocated/trainer_offloaded_gib": step.offloaded_bytes / 2**30}
             if step.offloaded_bytes else {})

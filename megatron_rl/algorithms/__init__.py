@@ -39,7 +39,9 @@ from megatron_rl.algorithms.losses import (
 from megatron_rl.algorithms.mismatch import (
     MismatchCorrection,
     correction_weights,
+    metrics_from_sums,
     mismatch_metrics,
+    mismatch_sums,
 )
 from megatron_rl.algorithms.sampler import NoPositiveResamplingSampler
 
@@ -67,7 +69,9 @@ __all__ = [
     "gspo_loss",
     "length_penalties",
     "length_penalty",
+    "metrics_from_sums",
     "mismatch_metrics",
+    "mismatch_sums",
     "sample_thinking_budget",
     "token_weights",
     "verified_mask",

@@ -17,14 +17,20 @@ log-probs), or its current one where nothing is recomputed. r = exp(train_logp -
 A masked token keeps its place in the aggregation's denominators (the global token counts are
 fixed before the loss, aggregation.py): it contributes a zero loss, as a clipped token does.
 
-Where they plug in (not wired yet, docs/low_precision.md): trainer/step.py `_loss` multiplies
-`out.token_loss` by `correction_weights(...)` before aggregation; under context parallelism the
-sequence mask takes each completion's whole-sequence mean log-ratio as GSPO does
-(`sequence_log_ratio`).
+Where they plug in: trainer/step.py `_loss` multiplies the policy loss's `token_loss` by
+`correction_weights(...)` before aggregation (with `tis_cap` set, the loss's own ratio is then
+taken against the trainer's old log-probs, see `MismatchCorrection`); under context parallelism
+the sequence mask takes each completion's whole-sequence mean log-ratio as GSPO does
+(`sequence_log_ratio`). The metrics are computed every step, corrections on or off, as a fixed
+vector of sums and a histogram (`mismatch_sums`) that data / context parallel ranks add with one
+all-reduce, read by `metrics_from_sums`.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
+import math
 
 import torch
 
@@ -33,11 +39,30 @@ from megatron_rl.algorithms.losses import MAX_LOG_RATIO, _loss_mask, _segment_me
 # Losses whose importance ratio is against the generator's own log-probs already.
 RATIO_AGAINST_GENERATOR = ("cispo",)
 
+# Quantiles of r come from a fixed histogram of log r that ranks add up (a gather would move
+# every token's ratio of the step): bins 1/100 of a decade wide in |log r| from 1e-7 to 100
+# (> MAX_LOG_RATIO, so no token falls outside) on either side of one bin [-1e-7, 1e-7] around 0.
+# A quantile read from it is within 2.3 % of its log-ratio (1e-7 absolute near 0).
+_MAGNITUDE_EDGES = torch.logspace(-7, 2, 901, dtype=torch.float64)  # of |log r|
+LOG_RATIO_EDGES = torch.cat([-_MAGNITUDE_EDGES.flip(0), _MAGNITUDE_EDGES])  # [1802]
+# mismatch_sums' layout: these named sums, then the histogram's counts.
+SUM_NAMES = ("tokens", "kl_k1", "kl_k3", "masked_tokens", "sequences", "masked_sequences")
+NUM_SUMS = len(SUM_NAMES) + len(LOG_RATIO_EDGES) - 1
+QUANTILES = (0.01, 0.5, 0.99)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MismatchCorrection:
     """Which corrections apply: `tis_cap` (C of min(r, C); None = off), `sequence_window` and
-    `token_window` ((low, high) bounds on the ratio kept; None = off)."""
+    `token_window` ((low, high) bounds on the ratio kept; None = off).
+
+    TIS here: this project never stores a separate "old" policy (one optimizer step per batch;
+    old log-probs are the generator's), so with `tis_cap` the trainer's own log-probs of this
+    step's forward, under the weights before the update, are the recomputed old ones (a free
+    recomputation): the policy loss takes its ratio against them and the generator enters only
+    through sg(min(pi_train_old / pi_gen, C)) (verl's decoupled form). With one step per batch
+    that ratio is 1 and its clip never binds: DAPO / GRPO + TIS train with CISPO's gradient at
+    eps_max = C, GSPO + TIS with a sequence ratio of 1 and the TIS weight per token."""
 
     tis_cap: float | None = None
     sequence_window: tuple[float, float] | None = None
@@ -80,8 +105,11 @@ def sequence_keep(train_logp: torch.Tensor, gen_logp: torch.Tensor, sample_index
     unmasked tokens, or `sequence_log_ratio` [T] when a completion is split over calls) in
     [low, high]."""
     if sequence_log_ratio is None:
+        # The clamped log-ratio gspo_log_ratio_sums adds up where a completion is split.
+        _ratio(train_logp, gen_logp, loss_mask)  # checks the shapes
         mask = _loss_mask(loss_mask, train_logp)
-        log_ratio = torch.log(_ratio(train_logp, gen_logp, loss_mask))
+        log_ratio = (train_logp.detach() - gen_logp.detach()).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
         sequence_log_ratio = _segment_mean(log_ratio, mask, sample_index)
     ratio = torch.exp(sequence_log_ratio.detach())
     return (ratio >= window[0]) & (ratio <= window[1])
@@ -123,27 +151,107 @@ def mismatch_metrics(train_logp: torch.Tensor, gen_logp: torch.Tensor, *,
     sampled by the generator, k1 = mean(-log r) and k3 = mean(r - 1 - log r) (Schulman's
     non-negative unbiased estimator); quantiles of r (linear interpolation); and the shares
     masked: tokens (1 - mean token_kept & sequence_kept) and completions (of those in
-    `sample_index`, the share whose sequence_kept is False). Local to this call: over data
-    parallel ranks, sums and counts add up but quantiles do not."""
+    `sample_index`, the share whose sequence_kept is False). Local to this call, quantiles exact;
+    the trainer reports the same metrics from `mismatch_sums` added over ranks."""
+    _ratio(train_logp, gen_logp, loss_mask)  # checks the shapes
     mask = _loss_mask(loss_mask, train_logp)
-    ratio = _ratio(train_logp, gen_logp, loss_mask)[mask].double()
-    if ratio.numel() == 0:
+    log_ratio = (train_logp.detach().double() - gen_logp.detach().double())[mask].clamp(
+        -MAX_LOG_RATIO, MAX_LOG_RATIO)  # float64, as mismatch_sums
+    if log_ratio.numel() == 0:
         return {}
-    log_ratio = torch.log(ratio)
+    ratio = torch.exp(log_ratio)
     out = {f"{prefix}kl_k1": float((-log_ratio).mean()),
-           f"{prefix}kl_k3": float((ratio - 1 - log_ratio).mean())}
+           f"{prefix}kl_k3": float((torch.expm1(log_ratio) - log_ratio).mean())}
     values = torch.quantile(ratio, torch.tensor(quantiles, dtype=torch.float64))
-    out.update({f"{prefix}ratio_p{100 * q:g}": float(v) for q, v in zip(quantiles, values)})
+    out.update({f"{prefix}{_quantile_name(q)}": float(v) for q, v in zip(quantiles, values)})
     kept = torch.ones_like(mask)
     for flags in (token_kept, sequence_kept):
         if flags is not None:
             kept = kept & flags
-    out[f"{prefix}masked_token_share"] = 1.0 - float(kept[mask].double().mean())
+    out[f"{prefix}masked_token_fraction"] = 1.0 - float(kept[mask].double().mean())
     if sequence_kept is not None and sample_index is not None:
         ids = sample_index[mask]
         dropped = torch.unique(ids[~sequence_kept[mask]])
-        out[f"{prefix}masked_sequence_share"] = dropped.numel() / torch.unique(ids).numel()
+        out[f"{prefix}masked_sequence_fraction"] = dropped.numel() / torch.unique(ids).numel()
     return out
+
+
+def mismatch_sums(train_logp: torch.Tensor, gen_logp: torch.Tensor, sample_index: torch.Tensor,
+                  *, loss_mask: torch.Tensor | None = None,
+                  completion_num_tokens: torch.Tensor | None = None,
+                  token_kept: torch.Tensor | None = None,
+                  sequence_kept: torch.Tensor | None = None) -> torch.Tensor:
+    """[NUM_SUMS] float64 sums over the unmasked tokens, in SUM_NAMES' order then the histogram
+    of log r over LOG_RATIO_EDGES' bins: the sums of several calls (micro-batches, data or
+    context parallel ranks) add up to the sums of their tokens together, which
+    `metrics_from_sums` reads. Completions are counted by 1 / n per token, n being the
+    completion's whole loss-token count (`completion_num_tokens` [T], given where a completion is
+    split over calls; else counted here), so a split completion adds up to 1."""
+    _ratio(train_logp, gen_logp, loss_mask)  # checks the shapes
+    mask = _loss_mask(loss_mask, train_logp)
+    # In float64 from the log-probs: exp then log in float32 would lose a 1e-6 mismatch.
+    log_ratio = (train_logp.detach().double() - gen_logp.detach().double())[mask].clamp(
+        -MAX_LOG_RATIO, MAX_LOG_RATIO)
+    if completion_num_tokens is None:
+        _, segment, counts = torch.unique(sample_index[mask], return_inverse=True,
+                                          return_counts=True)
+        completion_num_tokens = counts[segment]
+    else:
+        completion_num_tokens = completion_num_tokens[mask]
+    per_completion = 1.0 / completion_num_tokens.double().clamp(min=1)
+    kept = torch.ones_like(mask)
+    for flags in (token_kept, sequence_kept):
+        if flags is not None:
+            kept = kept & flags
+    sequence_dropped = (torch.zeros_like(mask) if sequence_kept is None
+                        else ~sequence_kept)[mask]
+    edges = LOG_RATIO_EDGES.to(log_ratio.device)
+    bins = torch.bucketize(log_ratio, edges) - 1  # edges[b] < log r <= edges[b + 1]
+    histogram = torch.zeros(len(edges) - 1, dtype=torch.float64, device=log_ratio.device)
+    histogram.index_add_(0, bins, torch.ones_like(log_ratio))
+    named = torch.stack([
+        torch.tensor(float(log_ratio.numel()), dtype=torch.float64, device=log_ratio.device),
+        (-log_ratio).sum(),
+        (torch.expm1(log_ratio) - log_ratio).sum(),  # r - 1 - log r, exact for r near 1
+        (~kept[mask]).double().sum(),
+        per_completion.sum(),
+        (per_completion * sequence_dropped).sum()])
+    return torch.cat([named, histogram])
+
+
+def metrics_from_sums(sums: torch.Tensor, *, quantiles: tuple[float, ...] = QUANTILES,
+                      prefix: str = "mismatch/") -> dict[str, float]:
+    """`mismatch_sums` (added up over calls and ranks) as metrics: k1 and k3 (as in
+    `mismatch_metrics`), quantiles of r from the histogram (linear within a bin, in log r: within
+    a bin's width of the exact quantile), and the fractions of tokens and completions masked.
+    Empty when no token was counted."""
+    values = sums.detach().double().tolist()  # host floats, off any device
+    named = dict(zip(SUM_NAMES, values[:len(SUM_NAMES)]))
+    histogram = values[len(SUM_NAMES):]
+    num_tokens = named["tokens"]
+    if num_tokens <= 0:
+        return {}
+    out = {f"{prefix}kl_k1": named["kl_k1"] / num_tokens,
+           f"{prefix}kl_k3": named["kl_k3"] / num_tokens}
+    cumulative = list(itertools.accumulate(histogram))
+    edges = LOG_RATIO_EDGES.tolist()
+    for q in quantiles:
+        # torch.quantile's position q (n - 1) among the sorted values; a bin's c values are
+        # spread evenly over its width, the i-th at (i + 1/2) / c of it.
+        position = q * (num_tokens - 1)
+        b = min(bisect.bisect_left(cumulative, position + 0.5), len(histogram) - 1)
+        share = (position - (cumulative[b] - histogram[b]) + 0.5) / max(histogram[b], 1.0)
+        log_ratio = edges[b] + min(max(share, 0.0), 1.0) * (edges[b + 1] - edges[b])
+        out[f"{prefix}{_quantile_name(q)}"] = math.exp(log_ratio)
+    out[f"{prefix}masked_token_fraction"] = named["masked_tokens"] / num_tokens
+    out[f"{prefix}masked_sequence_fraction"] = (named["masked_sequences"] / named["sequences"]
+                                                if named["sequences"] > 0 else 0.0)
+    return out
+
+
+def _quantile_name(q: float) -> str:
+    """ratio_p01, ratio_p50, ratio_p99 (ratio_p99.9 for 0.999)."""
+    return f"ratio_p{100 * q:02g}"
 
 
 def _ratio(train_logp: torch.Tensor, gen_logp: torch.Tensor,

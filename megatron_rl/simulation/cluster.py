@@ -111,6 +111,7 @@ class SimulatedStepMetrics:
     routing_flip_fraction: float = math.nan
     logp_mismatch_without_replay: float = math.nan
     offloaded_bytes: int = 0
+    mismatch: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class SimulatedBackend:

@@ -37,6 +37,15 @@ rescaling is needed. The statistics are summed over the same dp x cp group. GSPO
 ratio is the one non-local quantity: each completion's log-ratio sum is all-reduced over that
 group before the loss (`_gspo_sequence_log_ratio`), so every slice uses the whole completion's
 ratio.
+
+Train / rollout mismatch (algorithms/mismatch.py, issue 40). Every step, corrections on or off,
+each micro-batch adds its tokens' mismatch sums and histogram of log(pi_train / pi_gen) to the
+statistics (`mismatch_sums`), reduced with them over data x context parallel and read into
+`ForwardBackwardResult.mismatch` (KL estimates, ratio quantiles from the histogram, shares
+masked). With corrections set (`LossSettings.mismatch`) the policy loss's token losses are
+multiplied by `correction_weights` before aggregation: a dropped token contributes 0 and keeps its
+place in the global denominators. The sequence mask under CP uses the whole completion's mean
+log-ratio, reduced as GSPO's is.
 """
 from __future__ import annotations
 
@@ -47,6 +56,7 @@ from collections.abc import Sequence
 import torch
 
 from megatron_rl import platform
+from megatron_rl.algorithms.mismatch import NUM_SUMS, MismatchCorrection, metrics_from_sums
 from megatron_rl.platform import collective_device
 from megatron_rl.trainer.batch import MicroBatch
 from megatron_rl.trainer.parallel import ParallelGroups
@@ -54,6 +64,8 @@ from megatron_rl.trainer.parallel import ParallelGroups
 # Order of the per-micro-batch sums reduced over data-parallel ranks.
 _STATS = ("loss", "num_loss_tokens", "num_clipped", "ratio", "abs_logp_diff", "entropy",
           "num_tokens")
+# Followed by the mismatch sums and histogram (algorithms/mismatch.mismatch_sums), reduced alike.
+_STATS_SIZE = len(_STATS) + NUM_SUMS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +76,8 @@ class LossSettings:
     eps_low: float | None = None  # None: the kind's default clip range (algorithms)
     eps_high: float | None = None
     logprob_chunk_size: int = 1024
+    # Train / rollout mismatch corrections (algorithm.tis_cap, mismatch_*); off by default.
+    mismatch: MismatchCorrection = dataclasses.field(default_factory=MismatchCorrection)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,6 +96,9 @@ class ForwardBackwardResult:
     # where the trainer's own top-k differed from the generator's; 0 / 0 without a routing table.
     num_routing_flips: int = 0
     num_routing_decisions: int = 0
+    # The train / rollout mismatch over the step's loss tokens, "mismatch/kl_k1" ... (names and
+    # meaning: algorithms/mismatch.metrics_from_sums); empty without loss tokens or for SFT.
+    mismatch: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: ParallelGroups,
@@ -122,7 +139,7 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
         # Every (token, layer) decision lives on one rank: TP ranks hold different sequence
         # slices, pipeline stages different layers, data-parallel ranks different tokens.
         torch.distributed.all_reduce(flips)
-    stats = torch.zeros(len(_STATS), dtype=torch.float64, device=collective_device())
+    stats = torch.zeros(_STATS_SIZE, dtype=torch.float64, device=collective_device())
     largest = torch.zeros(1, dtype=torch.float64, device=collective_device())
     for out in outputs:  # only the last pipeline stage has outputs
         stats += out["stats"]
@@ -140,7 +157,8 @@ def run_forward_backward(model, micro_batches: Sequence[MicroBatch], groups: Par
         num_clipped=values["num_clipped"], ratio_sum=values["ratio"],
         abs_logp_diff_sum=values["abs_logp_diff"], entropy_sum=values["entropy"],
         num_tokens=int(values["num_tokens"]), abs_logp_diff_max=float(largest),
-        num_routing_flips=int(flips[0]), num_routing_decisions=int(flips[1]))
+        num_routing_flips=int(flips[0]), num_routing_decisions=int(flips[1]),
+        mismatch=metrics_from_sums(stats[len(_STATS):]))
 
 
 def _forward_step(data_iterator, model, *, groups, denominators, settings, temperature,
@@ -196,15 +214,21 @@ def _fp32_logprob_head(*, hidden_states, output_layer, output_weight, context: M
 def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings: LossSettings,
           groups: ParallelGroups | None = None):
     """(loss, token count, reduced stats) in Megatron's calculate_per_token_loss convention."""
-    from megatron_rl.algorithms import (SFT_KIND, compute_policy_loss, cross_entropy_loss,
-                                        token_weights)
+    from megatron_rl.algorithms import (SFT_KIND, compute_policy_loss, correction_weights,
+                                        cross_entropy_loss, mismatch_sums, token_weights)
+    from megatron_rl.algorithms.losses import MAX_LOG_RATIO
 
     mask = micro_batch.loss_mask
     num_loss_tokens = int(mask.sum())
-    stats = torch.zeros(len(_STATS), dtype=torch.float64, device=logp.device)
+    stats = torch.zeros(_STATS_SIZE, dtype=torch.float64, device=logp.device)
     stats[_STATS.index("num_tokens")] = micro_batch.num_tokens
-    sequence_log_ratio = None
-    if settings.kind == "gspo" and groups is not None and groups.cp_size > 1:
+    correction = settings.mismatch
+    # TIS: the policy loss's ratio against the trainer's own old log-probs (this forward's,
+    # before the update), the generator only in the TIS weight (MismatchCorrection).
+    tis = correction.tis_cap is not None and settings.kind != SFT_KIND
+    sequence_log_ratio = None  # each token's whole-completion mean log(pi_train / pi_gen)
+    if groups is not None and groups.cp_size > 1 and settings.kind != SFT_KIND and (
+            settings.kind == "gspo" or correction.sequence_window is not None):
         # Collective: before the early return, every rank of the group takes part.
         sequence_log_ratio = _gspo_sequence_log_ratio(micro_batch, logp, denominators, groups)
     if num_loss_tokens == 0:
@@ -217,29 +241,47 @@ def _loss(micro_batch: MicroBatch, logp: torch.Tensor, *, denominators, settings
     ones = torch.ones_like(sample_index, dtype=torch.bool)
     if settings.kind == SFT_KIND:
         out = cross_entropy_loss(logp, loss_mask=ones)
+        token_loss, ratio, clipped, abs_logp_diff = (out.token_loss, out.ratio, out.clipped,
+                                                     out.abs_logp_diff)
     else:
+        gen_logp = micro_batch.old_logprobs[mask]
         out = compute_policy_loss(
-            settings.kind, logp, micro_batch.old_logprobs[mask], micro_batch.advantages[mask],
-            sample_index=sample_index, loss_mask=ones, eps_max=settings.eps_max,
-            eps_low=settings.eps_low, eps_high=settings.eps_high,
-            sequence_log_ratio=sequence_log_ratio)
+            settings.kind, logp, logp.detach() if tis else gen_logp,
+            micro_batch.advantages[mask], sample_index=sample_index, loss_mask=ones,
+            eps_max=settings.eps_max, eps_low=settings.eps_low, eps_high=settings.eps_high,
+            sequence_log_ratio=None if tis else sequence_log_ratio)
+        weight, token_kept, sequence_kept = correction_weights(
+            settings.kind, correction, train_logp=logp, gen_logp=gen_logp,
+            sample_index=sample_index, sequence_log_ratio=sequence_log_ratio)
+        token_loss = out.token_loss * weight if correction.enabled else out.token_loss
+        ratio, clipped, abs_logp_diff = out.ratio, out.clipped, out.abs_logp_diff
+        if tis:  # the step's metrics stay against the generator; clipped: hit the TIS cap
+            log_ratio = (logp.detach() - gen_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+            ratio, abs_logp_diff = torch.exp(log_ratio), (logp.detach() - gen_logp).abs()
+            clipped = clipped | (ratio > correction.tis_cap)
+        completion_num_tokens = None if denominators is None else \
+            denominators.sample_num_tokens.to(logp.device)[sample_index]
+        stats[len(_STATS):] = mismatch_sums(
+            logp, gen_logp, sample_index, completion_num_tokens=completion_num_tokens,
+            token_kept=token_kept, sequence_kept=sequence_kept)
     weights = token_weights(settings.aggregation, ones, sample_index, prompt_index, denominators)
-    loss = (out.token_loss * weights).sum()
+    loss = (token_loss * weights).sum()
     stats[_STATS.index("loss")] = loss.detach().double()
     stats[_STATS.index("num_loss_tokens")] = num_loss_tokens
-    stats[_STATS.index("num_clipped")] = out.clipped.sum().double()
-    stats[_STATS.index("ratio")] = out.ratio.detach().double().sum()
-    stats[_STATS.index("abs_logp_diff")] = out.abs_logp_diff.detach().double().sum()
+    stats[_STATS.index("num_clipped")] = clipped.sum().double()
+    stats[_STATS.index("ratio")] = ratio.detach().double().sum()
+    stats[_STATS.index("abs_logp_diff")] = abs_logp_diff.detach().double().sum()
     if micro_batch.entropy is not None:
         stats[_STATS.index("entropy")] = micro_batch.entropy.detach().double().sum()
-    largest = out.abs_logp_diff.detach().double().max().reshape(1)
+    largest = abs_logp_diff.detach().double().max().reshape(1)
     return loss, torch.tensor(num_loss_tokens, dtype=torch.int, device=logp.device), {
         "stats": stats, "abs_logp_diff_max": largest}
 
 
 def _gspo_sequence_log_ratio(micro_batch: MicroBatch, logp: torch.Tensor, denominators,
                              groups: ParallelGroups) -> torch.Tensor:
-    """[num_loss_tokens] each loss token's completion mean log-ratio over the WHOLE completion,
+    """[num_loss_tokens] each loss token's completion mean log-ratio over the WHOLE completion
+    (against the generator's log-probs: GSPO's sequence ratio, the mismatch sequence mask),
     whose positions are spread over the context-parallel ranks (a slice's own mean is another
     ratio). The per-completion sums, indexed by global sample id, are all-reduced over data x
     context parallel: the data-parallel ranks hold other completions, so they only add zeros,

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megatron_rl.algorithms.mismatch import MismatchCorrection
 from megatron_rl.platform import collective_device, has_cuda
 from megatron_rl.platform import device as platform_device
 from megatron_rl.trainer.batch import (TrainBatch, pack_micro_batches, padding_micro_batch,
@@ -88,7 +89,8 @@ class TrainerSettings:
                 kind=algorithm.loss, aggregation=algorithm.aggregation,
                 eps_max=algorithm.eps_max,
                 eps_low=algorithm.gspo_eps_low if gspo else algorithm.eps_low,
-                eps_high=algorithm.gspo_eps_high if gspo else algorithm.eps_high),
+                eps_high=algorithm.gspo_eps_high if gspo else algorithm.eps_high,
+                mismatch=_mismatch_correction(algorithm)),
             optimizer=OptimizerSettings(
                 name=optim.name, lr=train.lr, lr_warmup_steps=train.lr_warmup_steps,
                 lr_schedule=train.lr_schedule, min_lr=train.min_lr, num_steps=train.num_steps,
@@ -101,6 +103,18 @@ class TrainerSettings:
             offload_between_steps=run.cluster.colocated,
             config_overrides={**recompute_overrides(train.recompute_granularity),
                               **config_overrides})
+
+
+def _mismatch_correction(algorithm) -> MismatchCorrection:
+    """The algorithm section's train / rollout mismatch corrections (config.AlgorithmConfig has
+    checked them: windows both bounds or none, TIS not with CISPO)."""
+    def window(low: float | None, high: float | None) -> tuple[float, float] | None:
+        return None if low is None else (low, high)
+
+    return MismatchCorrection(
+        tis_cap=algorithm.tis_cap,
+        sequence_window=window(algorithm.mismatch_sequence_low, algorithm.mismatch_sequence_high),
+        token_window=window(algorithm.mismatch_token_low, algorithm.mismatch_token_high))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,6 +144,9 @@ class StepMetrics:
     # offload_between_steps: device bytes released at the end of the step (gradient buffers,
     # and on a GPU the optimizer state moved to the CPU); 0 otherwise.
     offloaded_bytes: int = 0
+    # Train / rollout mismatch (issue 40), TensorBoard train/mismatch/*: KL estimates, ratio
+    # quantiles, shares masked (algorithms/mismatch.metrics_from_sums); empty without tokens.
+    mismatch: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class RLTrainer:
@@ -266,7 +283,8 @@ class RLTrainer:
             num_skipped_steps=self.num_skipped_steps,
             routing_flip_fraction=(result.num_routing_flips / result.num_routing_decisions
                                    if result.num_routing_decisions else math.nan),
-            logp_mismatch_without_replay=without_replay, offloaded_bytes=offloaded)
+            logp_mismatch_without_replay=without_replay, offloaded_bytes=offloaded,
+            mismatch=result.mismatch)
 
     def offload_training_state(self) -> int:
         """Free what only a training step needs: the gradient buffers (their storage released,

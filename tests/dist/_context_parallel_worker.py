@@ -14,6 +14,9 @@ asserts on them, so a failure shows the numbers.
    and loaded at CP 1 (DP 4), whose parameters must be CP 1's updated ones.
 4. gspo_step (llama): the same CP 1 / CP 2 comparison with the GSPO loss, whose sequence ratio
    needs every slice of a completion (issue 29.5).
+5. mismatch_step (llama): the same with DAPO and all three train / rollout mismatch corrections
+   (TIS, the sequence mask on each completion's whole geometric-mean ratio, the token mask);
+   every step also records its mismatch metrics (reduced over the ranks' sums and histograms).
 """
 from __future__ import annotations
 
@@ -26,10 +29,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _trainer_worker import full_params, make_batch, write_result  # noqa: E402
 
+from megatron_rl.algorithms import MismatchCorrection  # noqa: E402
 from megatron_rl.trainer import (LossSettings, OptimizerSettings, ParallelLayout,  # noqa: E402
                                  RLTrainer, TrainerSettings)
 
 CP1, CP2 = ParallelLayout(), ParallelLayout(context_parallel_size=2)
+# The tiny models score the batch's random tokens near log(1/256) and its generator log-probs
+# are drawn in [-4.5, -0.5] (make_batch): log r lies in about [-5, -1], so windows from
+# e^-3 keep about half of the tokens and of the completions; TIS weighs each by r.
+MISMATCH = MismatchCorrection(tis_cap=2.0, sequence_window=(0.0498, 2.0),
+                              token_window=(0.0498, 2.0))
 TP2_SP_CP2 = ParallelLayout(tensor_model_parallel_size=2, sequence_parallel=True,
                             context_parallel_size=2)
 
@@ -119,22 +128,25 @@ def check_split(out: dict) -> None:
 
 
 def _settings(layout: ParallelLayout, model_name: str, num_layers: int,
-              kind: str = "cispo") -> TrainerSettings:
+              kind: str = "cispo", mismatch: MismatchCorrection | None = None
+              ) -> TrainerSettings:
     return TrainerSettings(
         model_name=model_name, model_size="tiny", layout=layout, precision="fp32",
-        loss=LossSettings(kind=kind, aggregation="prompt", logprob_chunk_size=8),
+        loss=LossSettings(kind=kind, aggregation="prompt", logprob_chunk_size=8,
+                          mismatch=mismatch or MismatchCorrection()),
         optimizer=OptimizerSettings(lr=1e-3, lr_warmup_steps=0, clip_grad=1.0),
         micro_batch_max_tokens=32, seed=1234, config_overrides={"num_layers": num_layers})
 
 
 def check_rl_step(out: dict, model_name: str, num_layers: int,
-                  checkpoint_dir: str | None = None, kind: str = "cispo") -> None:
+                  checkpoint_dir: str | None = None, kind: str = "cispo",
+                  mismatch: MismatchCorrection | None = None) -> None:
     from megatron_rl.trainer.model import unwrap
 
     batch = make_batch(vocab_size=256, seed=3)
     result = {"true_num_tokens": sum(ids.numel() - 1 for ids in batch.token_ids)}
     for name, layout in (("cp1", CP1), ("cp2", CP2)):
-        trainer = RLTrainer(_settings(layout, model_name, num_layers, kind))
+        trainer = RLTrainer(_settings(layout, model_name, num_layers, kind, mismatch))
         if name == "cp1":
             initial = full_params(trainer)
         else:
@@ -156,6 +168,7 @@ def check_rl_step(out: dict, model_name: str, num_layers: int,
                         "local_seq_lens": [m.input_ids.shape[1]
                                            for m in trainer.micro_batches(batch)],
                         "dp_size": trainer.groups.dp_size, "cp_size": trainer.groups.cp_size,
+                        "mismatch": metrics.mismatch,
                         "max_abs_update": max(float((after[k] - initial[k]).abs().max())
                                               for k in initial)}
         if name == "cp1":
@@ -163,6 +176,9 @@ def check_rl_step(out: dict, model_name: str, num_layers: int,
         else:
             result["param_max_abs_diff"] = max(float((after[k] - reference[k]).abs().max())
                                                for k in reference)
+    if mismatch is not None:
+        out.setdefault("mismatch_step", {})[model_name] = result
+        return
     if kind != "cispo":
         out.setdefault(f"{kind}_step", {})[model_name] = result
         return
@@ -177,6 +193,7 @@ def check_rl_step(out: dict, model_name: str, num_layers: int,
         result["tp2_sp_cp2"] = {"loss": metrics.loss, "grad_norm": metrics.grad_norm,
                                 "num_loss_tokens": metrics.num_loss_tokens,
                                 "num_tokens": metrics.num_tokens,
+                                "mismatch": metrics.mismatch,
                                 "local_seq_lens": [m.input_ids.shape[1]
                                                    for m in trainer.micro_batches(batch)],
                                 "dp_size": trainer.groups.dp_size,
@@ -205,6 +222,7 @@ def main() -> None:
         check_rl_step(out, model_name, num_layers)
     check_rl_step(out, "llama4", 4, checkpoint_dir=os.path.join(out_dir, "checkpoint"))
     check_rl_step(out, "llama", 2, kind="gspo")
+    check_rl_step(out, "llama", 2, kind="dapo", mismatch=MISMATCH)
     write_result(out, out_dir)
 
 

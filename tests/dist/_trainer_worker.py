@@ -143,7 +143,7 @@ def scenario_invariance(out: dict, ckpt_root: str) -> None:
         steps[name] = {"loss": metrics.loss, "grad_norm": metrics.grad_norm,
                        "num_micro_batches": metrics.num_micro_batches,
                        "num_loss_tokens": metrics.num_loss_tokens,
-                       "dp_size": trainer.groups.dp_size}
+                       "dp_size": trainer.groups.dp_size, "mismatch": metrics.mismatch}
         trainer.save_checkpoint(os.path.join(ckpt_root, f"step1_{name}"),
                                 extra_state={"sampler": {"epoch": 3, "retired": [1, 5]}})
         if name == "tp1_ep1_pp1":

@@ -9,7 +9,10 @@ tests/dist/_context_parallel_worker.py (see its docstring):
   TP 2 + SP with CP 2 (DP 1) the same loss and gradient norm; llama4's checkpoint saved at
   TP 2 + SP + CP 2 and loaded at CP 1 holds CP 1's updated parameters;
 - the same CP 2 = CP 1 step with the GSPO loss (llama), whose sequence ratio is reduced over the
-  CP ranks' slices of each completion.
+  CP ranks' slices of each completion;
+- the train / rollout mismatch metrics equal at CP 1, CP 2 and TP 2 + SP + CP 2, and the same
+  CP 2 = CP 1 step with DAPO and all three mismatch corrections (llama), whose sequence mask
+  takes each completion's whole ratio.
 """
 from pathlib import Path
 
@@ -65,6 +68,7 @@ def test_cp2_step_equals_cp1_step(result, family):
     # The update is ~lr = 1e-3 per weight; the layouts agree to float32 rounding.
     assert cp2["max_abs_update"] > 5e-4
     assert got["param_max_abs_diff"] < 1e-7, got
+    _same_mismatch(cp2["mismatch"], cp1["mismatch"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -77,6 +81,7 @@ def test_tp2_sp_cp2_step_equals_cp1_step(result, family):
     assert tp_cp["num_tokens"] == got["true_num_tokens"]
     # Padded to 2 * CP * TP = 8: local lengths are multiples of 4, split again over TP by SP.
     assert all(n % 4 == 0 for n in tp_cp["local_seq_lens"]), tp_cp
+    _same_mismatch(tp_cp["mismatch"], cp1["mismatch"])
 
 
 def test_gspo_cp2_step_equals_cp1_step(result):
@@ -90,6 +95,31 @@ def test_gspo_cp2_step_equals_cp1_step(result):
     assert _close(cp2["grad_norm"], cp1["grad_norm"]), got
     assert cp2["num_loss_tokens"] == cp1["num_loss_tokens"] == 27
     assert cp2["max_abs_update"] > 5e-4  # the A > 0 completions' ratios are not clipped
+    assert got["param_max_abs_diff"] < 1e-7, got
+
+
+def _same_mismatch(got: dict, expected: dict) -> None:
+    """The step's mismatch metrics (KL estimates, histogram quantiles, shares masked) agree."""
+    assert set(got) == set(expected) and "mismatch/kl_k3" in got, (got, expected)
+    assert all(_close(got[name], expected[name]) for name in got), (got, expected)
+
+
+def test_mismatch_corrected_cp2_step_equals_cp1_step(result):
+    """DAPO with TIS, the sequence mask and the token mask (issue 40): with each CP rank's own
+    slice as the completion, the sequence mask would drop other completions."""
+    got = result["mismatch_step"]["llama"]
+    cp1, cp2 = got["cp1"], got["cp2"]
+    assert (cp1["cp_size"], cp2["cp_size"]) == (1, 2)
+    assert got["start_max_abs_diff"] == 0.0
+    metrics = cp1["mismatch"]
+    # Not vacuous: the windows drop some tokens and completions, not all.
+    assert 0 < metrics["mismatch/masked_token_fraction"] < 1, metrics
+    assert 0 < metrics["mismatch/masked_sequence_fraction"] < 1, metrics
+    _same_mismatch(cp2["mismatch"], metrics)
+    assert _close(cp2["loss"], cp1["loss"]), got
+    assert _close(cp2["grad_norm"], cp1["grad_norm"]), got
+    assert cp2["num_loss_tokens"] == cp1["num_loss_tokens"] == 27
+    assert cp2["max_abs_update"] > 5e-4
     assert got["param_max_abs_diff"] < 1e-7, got
 
 

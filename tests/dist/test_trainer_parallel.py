@@ -5,7 +5,7 @@ fixture of tests/dist/conftest.py: own free port, timeout); the worker batches m
 launch and rank 0 reports numbers as JSON, which the tests below assert on:
 - parallel invariance: one RL step of the same batch from the same weights at (TP, EP, PP) =
   (1,1,1) DP4, (2,1,1)+SP DP2, (1,2,1) DP4, (1,1,2) DP2, (2,2,2)+SP DP1 gives the same loss,
-  gradient norm and updated parameters (grad norm catches gradient-scale errors that Adam's
+  gradient norm, train / rollout mismatch metrics and updated parameters (grad norm catches gradient-scale errors that Adam's
   scale-free first update would hide);
 - aggregation exactness: the prompt-level CISPO loss and gradient norm equal an independent
   single-rank reference (plain autograd on the unwrapped GPTModel, full-vocabulary log_softmax in
@@ -56,6 +56,11 @@ def test_same_loss_and_grad_norm_at_every_layout(invariance):
         assert _close(got["loss"], reference["loss"]), (name, got, reference)
         assert _close(got["grad_norm"], reference["grad_norm"]), (name, got, reference)
         assert got["num_loss_tokens"] == reference["num_loss_tokens"] == 27
+        # The train / rollout mismatch metrics: sums and histograms reduced over DP, taken from
+        # the last pipeline stage, not summed over TP.
+        mismatch, expected = got["mismatch"], reference["mismatch"]
+        assert set(mismatch) == set(expected) and "mismatch/ratio_p50" in expected, name
+        assert all(_close(mismatch[k], expected[k]) for k in expected), (name, mismatch, expected)
     # The layouts really differ in data parallelism and micro-batching.
     assert [layouts[n]["dp_size"] for n in ("tp1_ep1_pp1", "tp2_sp", "pp2", "tp2_ep2_pp2_sp")] \
         == [4, 2, 2, 1]

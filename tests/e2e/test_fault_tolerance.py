@@ -162,7 +162,8 @@ def test_resume_after_a_crash_and_a_graceful_stop_is_bit_identical(tmp_path):
     metrics_a, metrics_b = scalars(a / "tensorboard"), scalars(b / "tensorboard")
     for tag in ("train/loss", "train/entropy", "train/logp_mismatch_mean",
                 "train/logp_mismatch_max", "train/mean_ratio", "train/learning_rate",
-                "rollout/response_length_mean", "weight_sync/version"):
+                "rollout/response_length_mean", "weight_sync/version", "train/mismatch/kl_k3",
+                "train/mismatch/ratio_p99"):
         assert sorted(metrics_a[tag]) == [1, 2, 3, 4], tag
         assert {s: v for s, v in metrics_b[tag].items() if s <= 3} == \
             {s: v for s, v in metrics_a[tag].items() if s <= 3}, tag

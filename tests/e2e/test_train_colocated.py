@@ -77,6 +77,13 @@ def test_megatron_rl_train_colocated_synchronous_on_verl_parquet_with_chat_promp
     assert max(scalars["rollout/staleness/max_lag"].values()) == 0  # synchronous
     mismatch = scalars["train/logp_mismatch_mean"]
     assert sorted(mismatch) == [1, 2, 3] and max(mismatch.values()) < 1e-4, mismatch
+    # The mismatch metrics (issue 40) every step, corrections off: nothing masked, the median
+    # ratio ~1, and |k1| = |mean log r| <= mean |log r| (logp_mismatch_mean).
+    kl_k1 = scalars["train/mismatch/kl_k1"]
+    assert sorted(kl_k1) == [1, 2, 3], kl_k1
+    assert all(abs(kl_k1[s]) <= mismatch[s] * (1 + 1e-6) + 1e-12 for s in kl_k1), (kl_k1, mismatch)
+    assert set(scalars["train/mismatch/masked_token_fraction"].values()) == {0.0}
+    assert all(abs(v - 1) < 1e-3 for v in scalars["train/mismatch/ratio_p50"].values())
     log = (out / "generator-0.log").read_text()
     assert "/release_memory_occupation" in log and "/resume_memory_occupation" in log
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from megatron_rl.algorithms import MismatchCorrection, correction_weights, mismatch_metrics
+from megatron_rl.algorithms import (MismatchCorrection, correction_weights, metrics_from_sums,
+                                    mismatch_metrics, mismatch_sums)
 from megatron_rl.algorithms.mismatch import sequence_keep, token_keep, truncated_is_weight
 
 pytestmark = pytest.mark.unit
@@ -119,8 +120,8 @@ def test_metrics_hand_computed():
     assert out["mismatch/ratio_p50"] == pytest.approx(1.0, abs=1e-12)
     assert out["mismatch/ratio_p75"] == pytest.approx(2.0, abs=1e-12)
     # Kept by both: tokens 3 and 4 of 5; completion 0 of 2 dropped.
-    assert out["mismatch/masked_token_share"] == pytest.approx(0.6)
-    assert out["mismatch/masked_sequence_share"] == pytest.approx(0.5)
+    assert out["mismatch/masked_token_fraction"] == pytest.approx(0.6)
+    assert out["mismatch/masked_sequence_fraction"] == pytest.approx(0.5)
 
 
 def test_metrics_skip_masked_tokens():
@@ -130,6 +131,65 @@ def test_metrics_skip_masked_tokens():
     # r = [1/4, 1, 2, 1/2]: k1 = -mean(log r) = ln 4 / 4; k3 = ((3.75 - 4) + ln 4) / 4.
     assert out["mismatch/kl_k1"] == pytest.approx(math.log(4) / 4, abs=1e-12)
     assert out["mismatch/kl_k3"] == pytest.approx((-0.25 + math.log(4)) / 4, abs=1e-12)
-    assert out["mismatch/masked_token_share"] == 0.0
-    assert "mismatch/masked_sequence_share" not in out
+    assert out["mismatch/masked_token_fraction"] == 0.0
+    assert "mismatch/masked_sequence_fraction" not in out
     assert mismatch_metrics(TRAIN, GEN, loss_mask=torch.zeros(5)) == {}
+
+
+def test_sums_add_up_over_calls_and_read_as_the_metrics():
+    """The trainer's path: per-call sums (here completion 1 split over two calls, as over
+    context-parallel ranks, counted by its whole token count) added up, then read."""
+    from megatron_rl.algorithms.mismatch import NUM_SUMS
+
+    tokens = torch.tensor([False, True, False, True, True])
+    sequences = torch.tensor([False, False, True, True, True])
+    whole_counts = torch.tensor([2, 2, 3, 3, 3])
+    parts = [slice(0, 3), slice(3, 5)]
+    sums = sum(mismatch_sums(TRAIN[p], GEN[p], SAMPLES[p], completion_num_tokens=whole_counts[p],
+                             token_kept=tokens[p], sequence_kept=sequences[p]) for p in parts)
+    assert sums.shape == (NUM_SUMS,) and float(sums[6:].sum()) == 5  # every token in one bin
+    out = metrics_from_sums(sums, quantiles=(0.0, 0.5, 0.75, 1.0))
+    # As test_metrics_hand_computed: k1 = 0, k3 = 0.55; masked tokens 3 of 5, completions 1 of 2.
+    assert out["mismatch/kl_k1"] == pytest.approx(0.0, abs=1e-12)
+    assert out["mismatch/kl_k3"] == pytest.approx(0.55, abs=1e-12)
+    assert out["mismatch/masked_token_fraction"] == pytest.approx(0.6, abs=1e-12)
+    assert out["mismatch/masked_sequence_fraction"] == pytest.approx(0.5, abs=1e-12)
+    # Sorted r = [1/4, 1/2, 1, 2, 4]; at whole positions the histogram gives the value within
+    # its bin (1 % of a decade of |log r|: 2.3 %), and r = 1 sits in the bin around log r = 0.
+    for name, r in (("p00", 0.25), ("p75", 2.0), ("p100", 4.0)):
+        log_r = math.log(out[f"mismatch/ratio_{name}"])
+        assert log_r == pytest.approx(math.log(r), rel=0.024), name
+    assert out["mismatch/ratio_p50"] == pytest.approx(1.0, abs=1e-6)
+    assert metrics_from_sums(torch.zeros(NUM_SUMS)) == {}
+
+
+def test_histogram_quantiles_follow_torch_quantile():
+    """Many tokens with FP8-like mismatches (log r ~ N(0, 0.02), a few far off): the histogram's
+    p01 / p50 / p99 within a bin of torch.quantile's; the default names."""
+    gen = torch.Generator().manual_seed(0)
+    log_r = torch.randn(20000, generator=gen, dtype=F64) * 0.02
+    log_r[:20] = torch.linspace(-6.0, 3.0, 20, dtype=F64)
+    gen_logp = -torch.rand(20000, generator=gen, dtype=F64) * 5
+    sums = mismatch_sums(gen_logp + log_r, gen_logp, torch.arange(20000) // 100)
+    out = metrics_from_sums(sums)
+    exact = torch.quantile(log_r, torch.tensor([0.01, 0.5, 0.99], dtype=F64)).tolist()
+    for name, expected in zip(("ratio_p01", "ratio_p50", "ratio_p99"), exact):
+        got = math.log(out[f"mismatch/{name}"])
+        assert abs(got - expected) <= 0.024 * abs(expected) + 1e-6, (name, got, expected)
+    assert out["mismatch/kl_k1"] == pytest.approx(float(-log_r.mean()), rel=1e-9)
+    assert out["mismatch/kl_k3"] == pytest.approx(float((log_r.exp() - 1 - log_r).mean()),
+                                                  rel=1e-9)
+    assert out["mismatch/masked_token_fraction"] == 0.0
+    assert out["mismatch/masked_sequence_fraction"] == 0.0
+
+
+def test_sums_keep_a_bf16_sized_mismatch_of_float32_logprobs():
+    """A 1e-6 mismatch (BF16 serving against the trainer) between float32 log-probs: k1 and k3
+    from the float64 differences (exp then log in float32 would round r to 1.2e-7 steps)."""
+    gen = torch.Generator().manual_seed(1)
+    gen_logp = -5 * torch.rand(4000, generator=gen)
+    train_logp = gen_logp + 1e-6 * torch.randn(4000, generator=gen)
+    log_r = train_logp.double() - gen_logp.double()
+    out = metrics_from_sums(mismatch_sums(train_logp, gen_logp, torch.zeros(4000, dtype=int)))
+    assert out["mismatch/kl_k1"] == pytest.approx(float(-log_r.mean()), rel=1e-9, abs=0)
+    assert out["mismatch/kl_k3"] == pytest.approx(float((log_r ** 2 / 2).mean()), rel=1e-4)

@@ -307,6 +307,38 @@ def test_grpo_trainer_gets_symmetric_clipping():
     assert (loss.kind, loss.eps_low, loss.eps_high) == ("dapo", 0.2, 0.28)
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (["algorithm.tis_cap=2"], r"algorithm\.tis_cap: set to 2\.0, but CISPO already weighs .* "
+                              r"count the mismatch twice"),
+    (["algorithm.loss=dapo", "algorithm.tis_cap=0"], r"algorithm\.tis_cap: must be > 0"),
+    (["algorithm.loss=dapo", "algorithm.tis_cap=.inf"], r"algorithm\.tis_cap: expected a number"),
+    (["algorithm.mismatch_sequence_low=0.5"], r"mismatch_sequence_low / _high: set both"),
+    (["algorithm.mismatch_token_high=2"], r"mismatch_token_low / _high: set both"),
+    (["algorithm.mismatch_token_low=1.2", "algorithm.mismatch_token_high=2"],
+     r"algorithm\.mismatch_token_low: must be < 1\.0"),
+    (["algorithm.mismatch_sequence_low=0.5", "algorithm.mismatch_sequence_high=1"],
+     r"algorithm\.mismatch_sequence_high: must be > 1\.0"),
+])
+def test_mismatch_corrections_refused_where_they_cannot_work(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_mismatch_corrections_reach_the_trainer():
+    """Off by default (ScaleRL); each field lands in the trainer's loss settings."""
+    from megatron_rl.trainer import TrainerSettings
+
+    assert not TrainerSettings.from_run_config(load_config(None, [])).loss.mismatch.enabled
+    run = load_config(None, ["algorithm.loss=gspo", "algorithm.tis_cap=2",
+                             "algorithm.mismatch_sequence_low=0.5",
+                             "algorithm.mismatch_sequence_high=2",
+                             "algorithm.mismatch_token_low=0.2",
+                             "algorithm.mismatch_token_high=5"])
+    mismatch = TrainerSettings.from_run_config(run).loss.mismatch
+    assert (mismatch.tis_cap, mismatch.sequence_window, mismatch.token_window) == (
+        2.0, (0.5, 2.0), (0.2, 5.0))
+
+
 def test_training_rollouts_refuse_top_p():
     with pytest.raises(ConfigError, match=r"rollout\.top_p: 0\.9 truncates .*log-probs of the "
                                           r"untruncated"):

@@ -182,12 +182,12 @@ def test_step_statistics_are_reduced_on_the_collective_device(megatron_process_g
 
     from megatron_rl.trainer import ParallelGroups
     from megatron_rl.trainer.routing_replay import FlipCount
-    from megatron_rl.trainer.step import _STATS, LossSettings, run_forward_backward
+    from megatron_rl.trainer.step import _STATS, _STATS_SIZE, LossSettings, run_forward_backward
 
     world = dist.group.WORLD
     groups = ParallelGroups(tp=world, pp=world, dp=world, expert_dp=world, world_size=1,
                             tp_rank=0, pp_rank=0, dp_rank=0, tp_size=1, pp_size=1, dp_size=1)
-    outputs = [{"stats": torch.arange(len(_STATS), dtype=torch.float64) + k,
+    outputs = [{"stats": torch.arange(_STATS_SIZE, dtype=torch.float64) + k,
                 "abs_logp_diff_max": torch.tensor([0.5 * k], dtype=torch.float64)}
                for k in (1, 3)]
     monkeypatch.setattr(pipeline_parallel, "get_forward_backward_func",
