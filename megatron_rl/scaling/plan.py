@@ -1158,9 +1158,13 @@ def _fp8_note(run: Any, arch: Architecture, accelerator: Accelerator, fp8: Gener
             f"{_gib(bf16.components['weights'])} in {gen_dtype}, so the KV "
             f"cache holds {fp8.max_concurrency} longest sequences instead of "
             f"{bf16.max_concurrency}; the smallest engine whose weights take at most half of "
-            f"mem_fraction_static is {sizes[0]} GPUs instead of {sizes[1]}, and the recipe's "
+            f"mem_fraction_static is {_gpus(sizes[0])} instead of {sizes[1]}, and the recipe's "
             f"{devices} generator GPUs make {devices // sizes[0]} such engines instead of "
             f"{devices // sizes[1]}")
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" + ("s" if count > 1 else "")
 
 
 def get_hardware(name: str) -> Accelerator:
@@ -1256,7 +1260,8 @@ def plan_rows(plan: MemoryPlan) -> list[tuple[str, str, str]]:
     rows.append((f"generator device (engine of {g.devices} GPUs)", "", ""))
     for name, value in g.components.items():
         note = f"{g.concurrency} sequences" if name == "KV cache" else \
-            _size(value) if name.startswith("weights: FP8 scales") else ""
+            _size(value) if name.startswith("weights: FP8 scales") and value >= 2**20 else \
+            f"{value / 2**10:,.0f} KiB" if name.startswith("weights: FP8 scales") else ""
         rows.append((name, _gib(value), note))
     rows.append(("total", _gib(g.total), f"{g.total / cap:.0%} of {_gib(cap)} GiB"))
     rows.append(("largest concurrency", f"{g.max_concurrency}",
@@ -1427,7 +1432,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Intermixed: overrides may follow options (`RECIPE --hardware h100 rollout.precision=fp8`).
+    args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     from megatron_rl.config import ConfigError, load_config
 
     status = 0
