@@ -29,6 +29,11 @@ rollout.max_sequence_tokens, and the FP32 logits of a decode batch (enable_fp32_
 gives weights + KV mem_fraction_static of the device; the largest concurrency is what fits there.
 The default concurrency is Pipeline-RL's bound: (k + 1) x train.global_batch_size sequences in
 flight over rollout.num_generators engines (rollout/staleness.py).
+FP8 generators (rollout.precision=fp8): the engine's weights from the HF tensors the sync sends,
+those SGLang holds in FP8 (weight_sync/fp8.py fp8_quantized) at one byte plus their float32
+scales, the rest in the generator dtype; the sender's buckets hold the fp8 bytes, and a sync
+adds the quantiser's working memory. FP8 is refused where the hardware table has no FP8 peak or
+SGLang's loader would refuse the block size at the engine's TP (`check_fp8_rollout`).
 Colocated (cluster.colocated): trainer ranks and engines share devices. During training the
 engines have released their memory; during generation the trainer has offloaded its gradients
 and optimizer state (RLTrainer.offload_training_state) and keeps its weights, the weight sync's
