@@ -1130,7 +1130,7 @@ def plan_run(run: Any, *, hardware: str, concurrency: int | None = None,
 
 
 def smallest_engine(run: Any, arch: Architecture, accelerator: Accelerator, *,
-                    weight_bytes: float, fraction: float) -> int:
+                    weight_bytes: float, fraction: float, fp8: bool) -> int:
     """The fewest devices (a power of two) an engine needs so that its weights take at most
     half of the static budget (the rest is KV cache; the cost model's engine-size rule, without
     its overhead factor), with the attention heads split evenly and, for FP8, the blocks
@@ -1139,6 +1139,8 @@ def smallest_engine(run: Any, arch: Architecture, accelerator: Accelerator, *,
     while size < arch.num_attention_heads:
         fits = weight_bytes / size <= 0.5 * fraction * accelerator.memory_bytes
         if fits and arch.num_attention_heads % size == 0:
+            if not fp8:
+                return size
             try:
                 check_fp8_rollout(run, accelerator=accelerator, arch=arch, tp_size=size)
                 return size
@@ -1155,8 +1157,10 @@ def _fp8_note(run: Any, arch: Architecture, accelerator: Accelerator, fp8: Gener
     cache that frees, and the engines the recipe's generator devices make at the smallest
     engine size."""
     total, _ = arch.parameter_counts()
-    sizes = [smallest_engine(run, arch, accelerator, weight_bytes=weights, fraction=fraction)
-             for weights in (served.total, total * DTYPE_BYTES[gen_dtype])]
+    sizes = [smallest_engine(run, arch, accelerator, weight_bytes=weights, fraction=fraction,
+                             fp8=fp8_weights)
+             for weights, fp8_weights in ((served.total, True),
+                                          (total * DTYPE_BYTES[gen_dtype], False))]
     devices = run.rollout.num_generators * run.rollout.tp_size
     weights = sum(v for k, v in fp8.components.items() if k.startswith("weights"))
     return (f"rollout.precision=fp8: weights {_gib(weights)} GiB per device instead of "

@@ -159,5 +159,10 @@ def test_cli_plan_takes_overrides(capsys):
     assert cli.main(["plan", str(SCOUT), "rollout.precision=fp8"]) == 0
     out = capsys.readouterr().out
     assert "weights: FP8 (e4m3)" in out and "quantising to FP8" in out
+    # Scout's FP8 weights (~102 GiB with scales and high-precision tensors) fit half of 0.85 x
+    # 173 GiB on 2 GPUs; bf16's 201 GiB need 4.
+    (note,) = [n for n in plan.plan_run(load_config(SCOUT, ["rollout.precision=fp8"]),
+                                        hardware="gb200").notes if "fp8" in n]
+    assert "is 2 GPUs instead of 4" in note and "make 28 such engines instead of 14" in note
     assert cli.main(["plan", "--check-recipe", str(SCOUT), "rollout.precision=fp8"]) == 2
     assert "drop the overrides" in capsys.readouterr().err
