@@ -156,7 +156,8 @@ def test_cost_and_simulation_read_rollout_precision():
 
 
 def test_cli_plan_takes_overrides(capsys):
-    assert cli.main(["plan", str(SCOUT), "rollout.precision=fp8"]) == 0
+    assert cli.main(["plan", str(TINY), "--hardware", "h100", "rollout.precision=fp8",
+                     "rollout.fp8_block_size=16"]) == 0
     out = capsys.readouterr().out
     assert "weights: FP8 (e4m3)" in out and "quantising to FP8" in out
     # Scout's FP8 weights (~102 GiB with scales and high-precision tensors) fit half of 0.85 x
