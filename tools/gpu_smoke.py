@@ -65,6 +65,15 @@ transformers, converted with megatron_rl.convert, served by SGLang from the layo
 5. moe_layer: one MoE layer at Scout's widths (TE spec, bf16): the bytes its forward saves for the
    backward and its peak, against the planner's per-layer figure
    (megatron_rl.scaling.plan.layer_activation_bytes).
+6. fp8_serving (rollout.precision=fp8, issue 40): the tiny Llama-4 served FP8 by an SGLang engine
+   (block-wise e4m3, the largest block of FP8_BLOCK_SIZES the planner accepts for it; the served
+   folder's FP8 tensors quantised by weight_sync/fp8.py), a bf16 train step, the weight sync
+   quantising into the engine (in-memory transport), then the per-token |logp_engine -
+   logp_trainer|, printed with its bound (FP8_MISMATCH_BOUND). Skipped with one line where
+   SGLang is not importable, or where the checkout's weight sync cannot quantise. Its
+   configuration part (also the dry run's): SGLang's own Fp8Config reads the served
+   quantization_config, the real quantiser quantises a random bf16 copy of every tensor SGLang
+   holds in FP8, each within FP8's bound, and its bytes equal the planner's for the engine.
 
 Each stage has a time budget (STAGE_BUDGET_S, 600 s in all) and its pass criteria (tolerances
 below). Output: one JSON line per stage, written as the stage ends ({"stage", "index", "status":
@@ -115,9 +124,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-STAGES = ("imports", "trainer", "sglang", "colocated", "moe_layer")  # the image tier
-STAGE_BUDGET_S = {"imports": 60, "trainer": 150, "sglang": 180, "colocated": 150,
-                  "moe_layer": 60}
+STAGES = ("imports", "trainer", "sglang", "colocated", "moe_layer",
+          "fp8_serving")  # the image tier
+# fp8_serving's 90 s came out of trainer, sglang and colocated (30 s each): 10 minutes in all.
+STAGE_BUDGET_S = {"imports": 60, "trainer": 120, "sglang": 150, "colocated": 120,
+                  "moe_layer": 60, "fp8_serving": 90}
 TIME_LIMIT_S = sum(STAGE_BUDGET_S.values())  # 10 minutes
 # The bare tier (--tier bare): a GPU machine with only its own PyTorch and what
 # tools/bare_wheels.py carries (no SGLang, Transformer Engine, apex, transformers; no network).
@@ -162,6 +173,11 @@ BARE_LOGP_TOLERANCE = {"fp32": (1e-3, 1e-2), "bf16": (0.05, 0.5)}
 LOGPROB_OP_SHAPE = {"gpu": (4096, 5120, 202048), "cpu": (256, 64, 4096)}
 LOGPROB_OP_CHUNK = 1024
 LOGPROB_OP_TOLERANCE = {"logp_max_abs": 2e-3, "grad_max_rel": 2e-2}
+# Stage 6: the block sizes tried for the demo model's FP8 layout, largest first, and the bound
+# on |logp_engine - logp_trainer| (mean, max) of an FP8 engine after the quantised sync (FP8's
+# weight error, a few per cent per element, against bf16's SYNC_TOLERANCE; UNVERIFIED).
+FP8_BLOCK_SIZES = (128, 64, 32)
+FP8_MISMATCH_BOUND = (0.25, 2.0)
 
 
 class SmokeFailure(RuntimeError):
@@ -1105,6 +1121,181 @@ def stage_moe_layer(ctx: Context, *, use_transformer_engine: bool = True) -> dic
     return result
 
 
+# ----------------------------------------------------------------------------- 6. fp8_serving
+
+def fp8_served_config() -> dict:
+    """The demo model served FP8 (rollout.precision=fp8) at TP 1: the largest of
+    FP8_BLOCK_SIZES the planner accepts for it (megatron_rl.scaling.plan.check_fp8_rollout:
+    SGLang's block-shape rules, Llama-4's whole heads), its served quantization_config, and the
+    HF tensors the weight sync sends (meta)."""
+    import types
+
+    from megatron_rl.scaling import plan
+    from megatron_rl.scaling.hardware import ACCELERATORS
+
+    arch = plan.Architecture.from_family("llama4", TINY_SIZE)
+    hf_tensors = plan.hf_meta_tensors(arch, plan.family_mapping("llama4", TINY_SIZE))
+    for block in FP8_BLOCK_SIZES:
+        rollout = types.SimpleNamespace(precision="fp8", fp8_block_size=block,
+                                        fp8_scale_fmt="float32", tp_size=1, ep_size=1)
+        try:
+            plan.check_fp8_rollout(types.SimpleNamespace(rollout=rollout),
+                                   accelerator=ACCELERATORS["H100"], arch=arch,
+                                   hf_names=hf_tensors)
+        except ValueError:
+            continue
+        return {"block": block, "quantization_config": plan.served_quantization_config(rollout),
+                "hf_tensors": hf_tensors}
+    raise SmokeFailure(f"no block size of {FP8_BLOCK_SIZES} fits the demo model", {})
+
+
+def check_fp8_serving(ctx: Context) -> dict:
+    """The FP8 stage's configuration on CPU: SGLang's own Fp8Config reads the served
+    quantization_config; the real quantiser (weight_sync/fp8.py) quantises a random bf16 copy of
+    every tensor SGLang holds in FP8 (Llama-4's experts unfused per expert), each within FP8's
+    bound (amax / 28 per block) of its input; its bytes equal the planner's for the engine."""
+    if ctx.mode != "gpu":  # CPU: the stand-ins SGLang's layer imports need
+        from megatron_rl.platform.sglang_cpu import apply_sglang_cpu_fixes
+
+        apply_sglang_cpu_fixes()
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    served = fp8_served_config()
+    config = served["quantization_config"]
+    result = {"block": served["block"], "quantization_config": config}
+    sglang_config = Fp8Config.from_config(config)
+    result["sglang_weight_block_size"] = sglang_config.weight_block_size
+    expect(list(sglang_config.weight_block_size or []) == config.get("weight_block_size", []),
+           f"SGLang's Fp8Config reads weight_block_size {sglang_config.weight_block_size} from "
+           f"{config}", result)
+    return quantiser_check(served, result)
+
+
+def quantiser_check(served: dict, result: dict) -> dict:
+    """The real quantiser on a random bf16 copy of every tensor SGLang holds in FP8: each
+    within FP8's bound, bytes equal to the planner's, nothing high-precision quantised."""
+    import torch
+
+    from megatron_rl.scaling import plan
+    from megatron_rl.weight_sync.fp8 import dequantize_blockwise, quantize_named
+
+    config, hf_tensors = served["quantization_config"], served["hf_tensors"]
+    pieces = plan.Fp8Pieces(config, hf_tensors)
+    generator = torch.Generator().manual_seed(0)
+    fp8_bytes = scale_bytes = 0
+    worst = 0.0  # max |dequantised - input| / amax(input), over the pieces
+    block = pieces.layout.weight_block_size
+    for name in sorted(pieces.quantised):
+        meta = hf_tensors[name]
+        tensor = (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
+        for piece_name, piece in pieces.inputs(name, tensor).items():
+            out = quantize_named(piece_name, piece, pieces.layout)
+            weight, scale = out[piece_name], out[pieces.layout.scale_name(piece_name)]
+            fp8_bytes += weight.numel() * weight.element_size()
+            scale_bytes += scale.numel() * scale.element_size()
+            back = dequantize_blockwise(weight, scale, block) if block else weight.float() * scale
+            worst = max(worst, float((back - piece.float()).abs().max()
+                                     / piece.float().abs().max()))
+    planned = plan.served_weight_bytes(hf_tensors, generator_dtype="bfloat16",
+                                       quantization_config=config)
+    result.update(quantised_tensors=len(pieces.quantised),
+                  high_precision=sorted(set(hf_tensors) - pieces.quantised)[:8],
+                  fp8_bytes=fp8_bytes, scale_bytes=scale_bytes,
+                  planner={"fp8": planned.fp8, "scales": planned.scales,
+                           "high_precision": planned.high_precision},
+                  max_error_over_amax=worst)
+    # Half a step at e4m3's top binade is amax / 28 (weight_sync/fp8.py), plus float32 rounding.
+    expect(worst <= (1 + 1e-5) / 28, f"the quantiser's round trip is off by {worst:.4g} of "
+           "amax (FP8's bound: 1/28)", result)
+    expect((fp8_bytes, scale_bytes) == (planned.fp8, planned.scales), "the planner counts "
+           f"{planned.fp8} fp8 + {planned.scales} scale bytes, the quantiser wrote {fp8_bytes} + "
+           f"{scale_bytes}", result)
+    expect(not any(k in n for n in pieces.quantised for k in ("router", "embed", "lm_head",
+                                                                "norm")),
+           "a router, embedding, LM head or norm would be quantised", result)
+    return result
+
+
+def write_fp8_served(model: TinyModel, quantization_config: dict, target: Path) -> Path:
+    """The served folder with its FP8 tensors quantised (SGLang's FP8 checkpoint layout) and
+    quantization_config in config.json: what an FP8 engine starts from."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_rl.scaling import plan
+    from megatron_rl.weight_sync.fp8 import quantize_named
+
+    shutil.copytree(model.served_dir, target, ignore=shutil.ignore_patterns("*.safetensors*"))
+    state = {}
+    for path in sorted(model.served_dir.glob("*.safetensors")):
+        state.update(load_file(path))
+    pieces = plan.Fp8Pieces(quantization_config, state)
+    out = {}
+    for name, tensor in state.items():
+        if name not in pieces.quantised:
+            out[name] = tensor
+            continue
+        for piece_name, piece in pieces.inputs(name, tensor).items():
+            out.update(quantize_named(piece_name, piece, pieces.layout))
+    save_file({k: v.contiguous() for k, v in out.items()}, target / "model.safetensors")
+    config = json.loads((model.served_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def stage_fp8_serving(ctx: Context) -> dict:
+    """An FP8 engine of the tiny Llama-4 on the GPU, a trainer step, the quantised sync into it,
+    then the per-token log-prob mismatch against the trainer, printed with its bound."""
+    import dataclasses as dc
+
+    if importlib.util.find_spec("sglang") is None:
+        return {"skipped": "SGLang is not importable here: no FP8 engine to serve"}
+    from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
+
+    if "quantization_config" not in {f.name for f in dc.fields(WeightSyncSettings)}:
+        return {"skipped": "this checkout's weight sync does not quantise to FP8 (issue 40 "
+                           "item 1): no quantised sync to check"}
+    result = check_fp8_serving(ctx)
+    model = tiny_model(ctx)
+    if refusal := chunked_attention_refusal(ctx):
+        return {**result, "refused": refusal}
+    config = result["quantization_config"]
+    served = write_fp8_served(model, config, ctx.work / "tiny_llama4_sglang_fp8")
+    from megatron_rl.rollout import SGLangGenerator
+
+    generator = SGLangGenerator.launch(dc.replace(
+        server_settings(ctx, memory_saver=False, name="fp8"), model_path=str(served)))
+    ctx.generators.append(generator)
+    trainer = bf16_trainer(ctx)
+    sequences = model.sequences
+    trainer.train_step(make_batch(sequences, reference_logprobs(model)))
+    result["stale"] = against_generator(trainer, generator, sequences)
+    sync = WeightSync(trainer.model, model.family.weight_groups(), [generator],
+                      dc.replace(sync_settings("tensor"), quantization_config=config),
+                      hf_vocab_size=model.family.hf_config.vocab_size)
+    try:
+        report = sync.sync(version=1)
+    finally:
+        sync.close()
+    result["report"] = {k: getattr(report, k, None) for k in (
+        "num_bytes", "num_tensors", "num_buckets", "num_quantized", "seconds")}
+    synced = result["synced"] = against_generator(trainer, generator, sequences)
+    mean_bound, max_bound = FP8_MISMATCH_BOUND
+    print(f"gpu_smoke: fp8_serving: per-token |logp_engine - logp_trainer| mean "
+          f"{synced['mean_abs']:.3g} (bound {mean_bound}), max {synced['max_abs']:.3g} "
+          f"(bound {max_bound}); stale before the sync: mean {result['stale']['mean_abs']:.3g}",
+          flush=True)
+    expect(synced["mean_abs"] <= mean_bound and synced["max_abs"] <= max_bound,
+           f"after the FP8 sync the engine's log-probs differ from the trainer's by mean "
+           f"{synced['mean_abs']:.3g} / max {synced['max_abs']:.3g}, over the bound "
+           f"{FP8_MISMATCH_BOUND} (a wrong scale or layout)", result)
+    generator.shutdown()
+    ctx.generators.remove(generator)
+    return result
+
+
 # ----------------------------------------------------------------------------- the bare tier
 
 def bare_settings(*, precision: str, offload: bool = False):
@@ -1412,16 +1603,19 @@ def stage_bare_moe_layer(ctx: Context) -> dict:
 RUNNERS: dict[str, dict[str, Callable[[Context], dict]]] = {
     "gpu": {"imports": stage_imports, "trainer": stage_trainer, "sglang": stage_sglang,
             "colocated": stage_colocated, "moe_layer": stage_moe_layer,
+            "fp8_serving": stage_fp8_serving,
             "bare_imports": stage_bare_imports, "bare_trainer": stage_bare_trainer,
             "logprob_op": stage_logprob_op, "device_collectives": stage_device_collectives,
             "offload": stage_offload, "bare_moe_layer": stage_bare_moe_layer},
     "dry_run": {"imports": stage_imports, "trainer": check_trainer, "sglang": check_sglang,
                 "colocated": check_colocated, "moe_layer": check_moe_layer,
+                "fp8_serving": check_fp8_serving,
                 "bare_imports": stage_bare_imports, "bare_trainer": check_bare_trainer,
                 "logprob_op": stage_logprob_op, "device_collectives": check_device_collectives,
                 "offload": check_offload, "bare_moe_layer": check_bare_moe_layer},
     "cpu": {"imports": stage_imports, "trainer": stage_trainer_on_cpu, "sglang": check_sglang,
             "colocated": check_colocated, "moe_layer": check_moe_layer,
+            "fp8_serving": check_fp8_serving,
             "bare_imports": stage_bare_imports, "bare_trainer": stage_bare_trainer,
             "logprob_op": stage_logprob_op, "device_collectives": stage_device_collectives,
             "offload": check_offload, "bare_moe_layer": check_bare_moe_layer},

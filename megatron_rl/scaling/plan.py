@@ -29,6 +29,11 @@ rollout.max_sequence_tokens, and the FP32 logits of a decode batch (enable_fp32_
 gives weights + KV mem_fraction_static of the device; the largest concurrency is what fits there.
 The default concurrency is Pipeline-RL's bound: (k + 1) x train.global_batch_size sequences in
 flight over rollout.num_generators engines (rollout/staleness.py).
+FP8 generators (rollout.precision=fp8): the engine's weights from the HF tensors the sync sends,
+those SGLang holds in FP8 (weight_sync/fp8.py fp8_quantized) at one byte plus their float32
+scales, the rest in the generator dtype; the sender's buckets hold the fp8 bytes, and a sync
+adds the quantiser's working memory. FP8 is refused where the hardware table has no FP8 peak or
+SGLang's loader would refuse the block size at the engine's TP (`check_fp8_rollout`).
 Colocated (cluster.colocated): trainer ranks and engines share devices. During training the
 engines have released their memory; during generation the trainer has offloaded its gradients
 and optimizer state (RLTrainer.offload_training_state) and keeps its weights, the weight sync's
@@ -48,7 +53,7 @@ import math
 import re
 import sys
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -461,6 +466,9 @@ class SenderSyncMemory:
     buffers: int  # WeightSync._bucket_buffers: two of the largest bucket (fill one, send one)
     gathered: int  # the Arena, grown to the largest bucket's tensors gathered outside the bucket
     conversion: int  # the largest group's tensors that to_hf allocates (torch.stack of experts)
+    # FP8 generators: the most one group's quantisation allocates (Llama-4's per-expert copies,
+    # the group's fp8 weights and scales, the quantiser's float32 scratch of its largest piece)
+    quantization: int = 0
 
     @property
     def kept(self) -> int:
@@ -487,7 +495,8 @@ def stage_parameter_names(arch: Architecture, layout: TrainerLayout, pp_rank: in
 
 def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Sequence, *,
                        pp_rank: int, bucket_bytes: int, params_dtype: str,
-                       generator_dtype: str) -> SenderSyncMemory:
+                       generator_dtype: str,
+                       quantization_config: Mapping | None = None) -> SenderSyncMemory:
     """The weight sync of stage `pp_rank` planned as WeightSync plans it: the family's mapping
     groups whose Megatron tensors the stage holds, packed by weight_sync.plan.plan_buckets (on
     meta tensors). Per bucket the sender gathers into the Arena every tensor it does not hold
@@ -496,7 +505,10 @@ def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Seque
     dim 1 (strided places); the Arena keeps the largest bucket's need. Then each group's to_hf
     runs; what it allocates (not views: Llama-4's torch.stack of the fused experts) is copied
     into the bucket and freed. The sender holds expert-parallel rank 0's experts and TP rank 0's
-    shards."""
+    shards. FP8 generators (`quantization_config`, the served config's): the buckets hold the
+    fp8 weights and scales of the tensors SGLang holds in FP8 (Fp8Pieces), which are never
+    gathered in place (the quantiser reads the gathered tensor and writes other bytes), and
+    each group's quantisation allocates `quantization` during a sync."""
     import torch
 
     from megatron_rl.weight_sync.gather import Arena
@@ -511,8 +523,15 @@ def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Seque
     def meta(name: str) -> torch.Tensor:
         return torch.empty(full[name].shape, dtype=dtype, device="meta")
 
-    buckets = plan_buckets(groups, meta, bucket_bytes=bucket_bytes,
-                           dtype=getattr(torch, generator_dtype))
+    pieces = None
+    if quantization_config is None:
+        buckets = plan_buckets(groups, meta, bucket_bytes=bucket_bytes,
+                               dtype=getattr(torch, generator_dtype))
+    else:
+        pieces = Fp8Pieces(quantization_config,
+                           hf_meta_tensors(arch, groups, params_dtype=params_dtype))
+        buckets = plan_buckets([_Fp8Group(g, pieces, getattr(torch, generator_dtype))
+                                for g in groups], meta, bucket_bytes=bucket_bytes)
     if not buckets:
         return SenderSyncMemory(num_buckets=0, largest_bucket=0, buffers=0, gathered=0,
                                 conversion=0)
@@ -539,17 +558,64 @@ def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Seque
             if shards > 1 and param.partition_dim != 0:
                 need += (shards - 1 if held else shards) * aligned(num_bytes // shards)
         gathered = max(gathered, need)
-    conversion = 0
+    conversion = quantization = 0
     for group in groups:
         inputs = {name: meta(name) for name in group.megatron_names}
+        outputs = group.to_hf(inputs)
         # New tensors only: an input returned as it is, or a view of one (_base set), is free.
-        allocated = [t for t in group.to_hf(inputs).values()
+        allocated = [t for t in outputs.values()
                      if t._base is None and not any(t is x for x in inputs.values())]
         conversion = max(conversion, sum(t.numel() * element for t in allocated))
+        if pieces is not None:
+            quantization = max(quantization, _quantization_bytes(pieces, outputs, element))
     largest = max(bucket.num_bytes for bucket in buckets)
     return SenderSyncMemory(num_buckets=len(buckets), largest_bucket=largest,
                             buffers=min(2, len(buckets)) * largest, gathered=gathered,
-                            conversion=conversion)
+                            conversion=conversion, quantization=quantization)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Fp8Group:
+    """A mapping group as the FP8 sync sends it: its HF tensors in the generator dtype, the
+    ones SGLang holds in FP8 as their fp8 weights and scales (what plan_buckets packs)."""
+
+    group: Any
+    pieces: "Fp8Pieces"
+    dtype: Any  # the generators' torch dtype
+
+    @property
+    def megatron_names(self) -> tuple[str, ...]:
+        return self.group.megatron_names
+
+    def to_hf(self, inputs: dict) -> dict:
+        import torch
+
+        out = {}
+        for name, tensor in self.group.to_hf(inputs).items():
+            planned = self.pieces.planned(name, tensor)
+            if planned is not None:
+                out.update(planned)
+            else:  # as plan_buckets' `dtype` would: a cast is a new tensor (never in place)
+                out[name] = tensor if tensor.dtype == self.dtype else torch.empty(
+                    tensor.shape, dtype=self.dtype, device="meta")
+        return out
+
+
+def _quantization_bytes(pieces: "Fp8Pieces", outputs: Mapping[str, Any], element: int) -> int:
+    """What quantising one group's HF tensors allocates at once, at most: Llama-4's per-expert
+    copies of its fused experts (in the params dtype), the fp8 weights and scales before they
+    are copied into the bucket, and the quantiser's float32 scratch of the largest piece."""
+    copies = results = scratch = 0
+    for name, tensor in outputs.items():
+        planned = pieces.planned(name, tensor)
+        if planned is None:
+            continue
+        inputs = pieces.inputs(name, tensor)
+        if name not in inputs:  # unfused: new tensors
+            copies += sum(t.numel() for t in inputs.values()) * element
+        results += sum(t.numel() * t.element_size() for t in planned.values())
+        scratch = max(scratch, *(pieces.scratch_elements(t) for t in inputs.values()))
+    return copies + results + QUANTISER_SCRATCH_BYTES_PER_ELEMENT * scratch
 
 
 def family_mapping(name: str, size: str) -> list:
@@ -557,6 +623,211 @@ def family_mapping(name: str, size: str) -> list:
     from models import get_model_family, model_family_for_hf_config
 
     return model_family_for_hf_config(get_model_family(name).hf_config(size)).weight_groups()
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 generators (rollout.precision: fp8)
+# --------------------------------------------------------------------------------------------
+
+# The quantiser's float32 working copies of one tensor at its peak (weight_sync/fp8.py
+# quantize_blockwise: the zero-padded float32 copy, the copy divided by the block scales and its
+# clamp, alive together before the cast to fp8; quantize_per_tensor likewise: float copy, scaled
+# copy, clamp), in bytes per element of the largest tensor quantised at once.
+QUANTISER_SCRATCH_BYTES_PER_ELEMENT = 12
+
+
+def served_quantization_config(rollout: Any) -> dict | None:
+    """The served config's `quantization_config` for rollout.precision / fp8_block_size /
+    fp8_scale_fmt (the keys SGLang's Fp8Config.from_config reads); None for bf16."""
+    if rollout.precision != "fp8":
+        return None
+    config: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if rollout.fp8_block_size is not None:
+        config["weight_block_size"] = [rollout.fp8_block_size, rollout.fp8_block_size]
+    if rollout.fp8_scale_fmt == "ue8m0":
+        config["scale_fmt"] = "ue8m0"
+    return config
+
+
+def hf_meta_tensors(arch: Architecture, mapping: Sequence, *,
+                    params_dtype: str = "bfloat16") -> dict[str, Any]:
+    """{HF name: meta tensor} of the whole model as the weight sync sends it: each mapping
+    group's `to_hf` on meta tensors of the full (TP1 / EP1 / PP1) parameters."""
+    import torch
+
+    full = {p.name: p for p in rank_parameters(arch, TrainerLayout(), pp_rank=0)}
+    dtype = getattr(torch, params_dtype)
+    out = {}
+    for group in mapping:
+        if group.megatron_names:
+            out.update(group.to_hf({name: torch.empty(full[name].shape, dtype=dtype,
+                                                      device="meta")
+                                    for name in group.megatron_names}))
+    return out
+
+
+class Fp8Pieces:
+    """What the weight sync sends for each HF tensor when the generators serve FP8 (the
+    served config `quantization_config`): a tensor SGLang holds in FP8 (weight_sync/fp8.py
+    `fp8_quantized`) becomes its fp8 weight (1 byte an element) and float32 scale under their
+    HF names, Llama-4's fused experts unfused per expert first (`unfuse_llama4_experts`), as
+    meta tensors; None for a tensor sent as it is."""
+
+    def __init__(self, quantization_config: Mapping, hf_names: Iterable[str]):
+        from megatron_rl.weight_sync.fp8 import Fp8Layout, fp8_quantized
+
+        self.layout = Fp8Layout.from_quantization_config(quantization_config)
+        self.quantised = frozenset(fp8_quantized(quantization_config, hf_names))
+
+    def inputs(self, name: str, tensor: Any) -> dict[str, Any]:
+        """The tensors quantised one by one for `name` (Llama-4's experts: one per expert)."""
+        from megatron_rl.weight_sync.fp8 import unfuse_llama4_experts
+
+        return unfuse_llama4_experts(name, tensor) if _llama4_fused_experts(name) \
+            else {name: tensor}
+
+    def planned(self, name: str, tensor: Any) -> dict[str, Any] | None:
+        import torch
+
+        if name not in self.quantised:
+            return None
+        out = {}
+        for piece_name, piece in self.inputs(name, tensor).items():
+            *batch, rows, cols = piece.shape
+            block = self.layout.weight_block_size
+            scale_shape = () if block is None else \
+                (*batch, -(-rows // block[0]), -(-cols // block[1]))
+            out[piece_name] = torch.empty(piece.shape, dtype=torch.float8_e4m3fn,
+                                          device="meta")
+            out[self.layout.scale_name(piece_name)] = torch.empty(
+                scale_shape, dtype=torch.float32, device="meta")
+        return out
+
+    def scratch_elements(self, piece: Any) -> int:
+        """Elements of the quantiser's float32 working copy of `piece` (padded to whole
+        blocks)."""
+        block = self.layout.weight_block_size
+        if block is None:
+            return piece.numel()
+        *batch, rows, cols = piece.shape
+        return math.prod(batch) * _pad(rows, block[0]) * _pad(cols, block[1])
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class ServedWeights:
+    """Bytes of one generator copy of the weights (all of the engine's devices together)."""
+
+    fp8: int = 0  # the FP8 weights, one byte an element
+    scales: int = 0  # their float32 scales
+    high_precision: int  # everything else in the generator dtype
+
+    @property
+    def total(self) -> int:
+        return self.fp8 + self.scales + self.high_precision
+
+
+def served_weight_bytes(hf_tensors: Mapping[str, Any], *, generator_dtype: str,
+                        quantization_config: Mapping | None) -> ServedWeights:
+    """The engine's weights by kind: with an FP8 `quantization_config`, the quantised tensors'
+    fp8 bytes and scales (Fp8Pieces) and the rest (embeddings, LM head, routers, norms) at
+    the generator dtype; without one, all of it at the generator dtype."""
+    element = DTYPE_BYTES[generator_dtype]
+    if quantization_config is None:
+        return ServedWeights(high_precision=sum(t.numel() for t in hf_tensors.values())
+                             * element)
+    pieces = Fp8Pieces(quantization_config, hf_tensors)
+    fp8 = scales = high = 0
+    for name, tensor in hf_tensors.items():
+        planned = pieces.planned(name, tensor)
+        if planned is None:
+            high += tensor.numel() * element
+            continue
+        for t in planned.values():
+            if t.element_size() == 1:
+                fp8 += t.numel()
+            else:
+                scales += t.numel() * t.element_size()
+    return ServedWeights(fp8=fp8, scales=scales, high_precision=high)
+
+
+def fp8_partition_sizes(arch: Architecture, *, tp_size: int, ep_size: int) -> dict[str, int]:
+    """The sizes SGLang 0.5.23 requires to be multiples of the block when an engine of
+    `tp_size` devices (experts over `ep_size` of them) loads block-FP8 weights
+    (srt/layers/quantization/fp8.py): Fp8LinearMethod.validate_block_quant_shapes: each output
+    partition of a merged layer (qkv_proj's q / k / v, gate_up_proj's halves; at TP 1 too) and,
+    at TP > 1, a row-parallel layer's input partition (o_proj, down_proj); Fp8MoEMethod
+    .create_weights: the experts' intermediate size per MoE-TP rank (tp_size / ep_size), and
+    at MoE-TP > 1 as an input too. K/V heads below one per device are replicated
+    (QKVParallelLinear)."""
+    tp, d = tp_size, arch.head_dim
+    q = _split(arch.num_attention_heads, tp, "attention heads over rollout.tp_size") * d
+    sizes = {"q_proj rows per device": q,
+             "k_proj / v_proj rows per device": max(1, arch.num_query_groups // tp) * d}
+    if tp > 1:
+        sizes["o_proj columns per device"] = q
+    widths = {}
+    if not arch.moe_layer_pattern or not all(arch.moe_layer_pattern):
+        widths["dense MLP"] = arch.ffn_hidden_size
+    if arch.num_experts and arch.shared_expert_size:
+        widths["shared expert"] = arch.shared_expert_size
+    for what, width in widths.items():
+        sizes[f"{what} gate / up rows per device"] = _split(width, tp, f"{what} width over TP")
+        if tp > 1:
+            sizes[f"{what} down_proj columns per device"] = width // tp
+    if arch.num_experts:
+        moe_tp = _split(tp, ep_size, "rollout.tp_size over rollout.ep_size")
+        sizes["routed experts' width per MoE-TP rank"] = _split(
+            arch.moe_ffn_hidden_size, moe_tp, "expert width over MoE TP")
+    return sizes
+
+
+def check_fp8_rollout(run: Any, *, accelerator: Accelerator, arch: Architecture,
+                      hf_names: Iterable[str] | None = None,
+                      tp_size: int | None = None) -> None:
+    """The planner's refusals of rollout.precision=fp8: hardware without an FP8 peak in the
+    cost model's table, and block scales that SGLang would refuse at the engine's TP (or, for
+    Llama-4, that its q/k row reordering would break: weight_sync/fp8.py
+    check_llama4_block_rows). `tp_size`: another engine size than the recipe's."""
+    rollout = run.rollout
+    if rollout.precision != "fp8":
+        return
+    if accelerator.fp8_tflops <= 0:
+        raise ValueError(f"rollout.precision=fp8: {accelerator.name} has no FP8 peak in the "
+                         "cost model's hardware table (megatron_rl/scaling/hardware.py); serve "
+                         "rollout.precision=bf16 there or plan for a GPU with FP8 tensor cores")
+    block = rollout.fp8_block_size
+    if block is None:
+        return
+    tp = tp_size or rollout.tp_size
+    sizes = fp8_partition_sizes(arch, tp_size=tp, ep_size=math.gcd(rollout.ep_size, tp))
+    bad = {what: size for what, size in sizes.items() if size % block}
+    divisor = math.gcd(*sizes.values())
+    fused_experts = hf_names is not None and any(map(_llama4_fused_experts, hf_names))
+    if bad:
+        listed = ", ".join(f"{what} {size}" for what, size in bad.items())
+        hint = f"a block size dividing {divisor} (e.g. rollout.fp8_block_size={divisor})"
+        if fused_experts:
+            hint += f" that is a multiple of head_dim {arch.head_dim} (Llama-4)"
+        hint = "" if fused_experts and divisor % arch.head_dim else hint + ", or "
+        raise ValueError(f"rollout.fp8_block_size={block} does not divide what an engine of "
+                         f"rollout.tp_size={tp} splits ({listed}; SGLang's fp8.py refuses it "
+                         f"at load): use {hint}per-tensor scales "
+                         "(rollout.fp8_block_size=null)")
+    if fused_experts:
+        from megatron_rl.weight_sync.fp8 import Fp8Layout, check_llama4_block_rows
+
+        try:
+            check_llama4_block_rows(Fp8Layout(weight_block_size=(block, block)), arch.head_dim)
+        except ValueError as err:
+            raise ValueError(f"rollout.fp8_block_size={block}: {err}") from None
+
+
+def _llama4_fused_experts(name: str) -> bool:
+    """Llama-4's fused HF expert tensors (`...experts.gate_up_proj` / `.down_proj`)."""
+    from megatron_rl.weight_sync.fp8 import LLAMA4_FUSED_EXPERT_TENSORS
+
+    base, _, leaf = name.rpartition(".")
+    return base.endswith(".experts") and leaf in LLAMA4_FUSED_EXPERT_TENSORS
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,7 +853,8 @@ class TrainerPlan:
         """During a weight sync: the step's activations are freed, the conversion's tensors
         are allocated."""
         activations = sum(v for k, v in self.components.items() if k.startswith("act: "))
-        return self.total - activations + (self.sync.conversion if self.sync else 0)
+        return self.total - activations + (self.sync.conversion + self.sync.quantization
+                                           if self.sync else 0)
 
     @property
     def peak(self) -> float:
@@ -739,12 +1011,14 @@ def plan_trainer_stages(arch: Architecture, layout: TrainerLayout, act: Activati
 
 def plan_generator(arch: Architecture, *, hardware: Accelerator, tp_size: int, ep_size: int,
                    weight_bytes: int, kv_bytes: int, max_sequence_tokens: int, concurrency: int,
-                   mem_fraction_static: float, fp32_lm_head: bool) -> GeneratorPlan:
+                   mem_fraction_static: float, fp32_lm_head: bool,
+                   served: ServedWeights | None = None) -> GeneratorPlan:
     """Per-device memory of one SGLang engine: attention, dense and shared layers TP-split,
     experts split over EP and the rest of the engine's devices (so over all tp_size devices),
-    embeddings vocab-parallel; KV heads split over TP (replicated below one head per device)."""
+    embeddings vocab-parallel; KV heads split over TP (replicated below one head per device).
+    `served`: FP8 weights (served_weight_bytes) in place of every parameter at weight_bytes."""
     total, _ = arch.parameter_counts()
-    weights = total * weight_bytes / tp_size
+    weights = (served.total if served is not None else total * weight_bytes) / tp_size
     kv_heads = max(1, arch.num_query_groups // tp_size)
     kv_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * kv_bytes
     kv_per_sequence = kv_per_token * max_sequence_tokens
@@ -755,8 +1029,12 @@ def plan_generator(arch: Architecture, *, hardware: Accelerator, tp_size: int, e
     logits = running * vocab * (4 if fp32_lm_head else weight_bytes)
     if fp32_lm_head:
         logits += vocab * arch.hidden_size * 4  # the head weight cast to FP32
-    components = {"weights": weights, "KV cache": running * kv_per_sequence,
-                  "logits (decode batch)": logits}
+    components = {"weights": weights}
+    if served is not None and served.fp8:
+        components = {"weights: FP8 (e4m3)": served.fp8 / tp_size,
+                      "weights: FP8 scales (FP32)": served.scales / tp_size,
+                      "weights: high precision": served.high_precision / tp_size}
+    components |= {"KV cache": running * kv_per_sequence, "logits (decode batch)": logits}
     del ep_size  # experts over EP x (TP / EP) = tp_size devices either way
     return GeneratorPlan(devices=tp_size, components=components,
                          requested_concurrency=concurrency,
@@ -792,9 +1070,17 @@ def plan_run(run: Any, *, hardware: str, concurrency: int | None = None,
                              routing_imbalance=run.train.moe_routing_imbalance)
     rollout = run.rollout
     gen_dtype = run.model.params_dtype if rollout.dtype == "auto" else rollout.dtype
+    quantization_config = served_quantization_config(rollout)
+    served = None
+    if quantization_config is not None:
+        hf_tensors = hf_meta_tensors(arch, mapping, params_dtype=run.model.params_dtype)
+        check_fp8_rollout(run, accelerator=accelerator, arch=arch, hf_names=hf_tensors)
+        served = served_weight_bytes(hf_tensors, generator_dtype=gen_dtype,
+                                     quantization_config=quantization_config)
     sync = [sender_sync_memory(arch, layout, mapping, pp_rank=pp_rank,
                                bucket_bytes=run.weight_sync.bucket_mb * 2**20,
-                               params_dtype=run.model.params_dtype, generator_dtype=gen_dtype)
+                               params_dtype=run.model.params_dtype, generator_dtype=gen_dtype,
+                               quantization_config=quantization_config)
             for pp_rank in range(layout.pp)]
     stages = plan_trainer_stages(arch, layout, act, hardware=accelerator,
                                  params_dtype_bytes=params_bytes, fp8=run.model.fp8 is not None,
@@ -803,16 +1089,21 @@ def plan_run(run: Any, *, hardware: str, concurrency: int | None = None,
     trainer = max(stages, key=lambda stage: stage.peak)
     mem_fraction = rollout.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
 
-    def generator_at(fraction: float) -> GeneratorPlan:
+    def generator_at(fraction: float, *, tp_size: int = rollout.tp_size,
+                     weights: ServedWeights | None = served) -> GeneratorPlan:
         return plan_generator(
-            arch, hardware=accelerator, tp_size=rollout.tp_size, ep_size=rollout.ep_size,
+            arch, hardware=accelerator, tp_size=tp_size, ep_size=rollout.ep_size,
             weight_bytes=DTYPE_BYTES[gen_dtype], kv_bytes=DTYPE_BYTES[gen_dtype],
             max_sequence_tokens=rollout.max_sequence_tokens,
             concurrency=concurrency or default_concurrency(run), mem_fraction_static=fraction,
-            fp32_lm_head=rollout.enable_fp32_lm_head)
+            fp32_lm_head=rollout.enable_fp32_lm_head, served=weights)
 
     generator = generator_at(mem_fraction)
     notes = []
+    if served is not None:
+        notes.append(_fp8_note(run, arch, accelerator, generator, generator_at(
+            mem_fraction, weights=None), served=served, gen_dtype=gen_dtype,
+            fraction=mem_fraction))
     if rollout.mem_fraction_static is None:
         notes.append(f"rollout.mem_fraction_static is null: planned with "
                      f"{DEFAULT_MEM_FRACTION_STATIC}")
@@ -838,6 +1129,53 @@ def plan_run(run: Any, *, hardware: str, concurrency: int | None = None,
                       generator=generator, notes=tuple(notes), colocated=colocated)
 
 
+def smallest_engine(run: Any, arch: Architecture, accelerator: Accelerator, *,
+                    weight_bytes: float, fraction: float, fp8: bool) -> int:
+    """The fewest devices (a power of two) an engine needs so that its weights take at most
+    half of the static budget (the rest is KV cache; the cost model's engine-size rule, without
+    its overhead factor), with the attention heads split evenly and, for FP8, the blocks
+    dividing every shard."""
+    size = 1
+    while size < arch.num_attention_heads:
+        fits = weight_bytes / size <= 0.5 * fraction * accelerator.memory_bytes
+        if fits and arch.num_attention_heads % size == 0:
+            if not fp8:
+                return size
+            try:
+                check_fp8_rollout(run, accelerator=accelerator, arch=arch, tp_size=size)
+                return size
+            except ValueError:
+                pass
+        size *= 2
+    return size
+
+
+def _fp8_note(run: Any, arch: Architecture, accelerator: Accelerator, fp8: GeneratorPlan,
+              bf16: GeneratorPlan, *, served: ServedWeights, gen_dtype: str,
+              fraction: float) -> str:
+    """rollout.precision=fp8 against the same engine in the generator dtype: weights, the KV
+    cache that frees, and the engines the recipe's generator devices make at the smallest
+    engine size."""
+    total, _ = arch.parameter_counts()
+    sizes = [smallest_engine(run, arch, accelerator, weight_bytes=weights, fraction=fraction,
+                             fp8=fp8_weights)
+             for weights, fp8_weights in ((served.total, True),
+                                          (total * DTYPE_BYTES[gen_dtype], False))]
+    devices = run.rollout.num_generators * run.rollout.tp_size
+    weights = sum(v for k, v in fp8.components.items() if k.startswith("weights"))
+    return (f"rollout.precision=fp8: weights {_gib(weights)} GiB per device instead of "
+            f"{_gib(bf16.components['weights'])} in {gen_dtype}, so the KV "
+            f"cache holds {fp8.max_concurrency} longest sequences instead of "
+            f"{bf16.max_concurrency}; the smallest engine whose weights take at most half of "
+            f"mem_fraction_static is {_gpus(sizes[0])} instead of {sizes[1]}, and the recipe's "
+            f"{devices} generator GPUs make {devices // sizes[0]} such engines instead of "
+            f"{devices // sizes[1]}")
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" + ("s" if count > 1 else "")
+
+
 def get_hardware(name: str) -> Accelerator:
     """A hardware-table entry by name, case-insensitively (gb200 = GB200)."""
     by_lower = {key.lower(): value for key, value in ACCELERATORS.items()}
@@ -859,12 +1197,15 @@ MEAN_GENERATED_FRACTION = 0.5
 
 def cost_config_from_run(run: Any, *, hardware: str, architecture: Architecture,
                          decode_batch: int, train_mfu: float | None = None):
-    """The cost model's CostConfig for a recipe: model shape, workload, precisions, engine size
-    and the recipe's device count (trainer world + generator devices)."""
+    """The cost model's CostConfig for a recipe: model shape, workload, precisions (the
+    generators' is rollout.precision), engine size and the recipe's device count (trainer world
+    + generator devices)."""
     from megatron_rl.scaling.cost import CostConfig
 
     total, active = architecture.parameter_counts()
     rollout = run.rollout
+    if rollout.precision == "fp8":
+        check_fp8_rollout(run, accelerator=get_hardware(hardware), arch=architecture)
     moe = architecture.num_experts > 0
     return CostConfig(
         total_params=float(total), active_params=float(active) if moe else 0.0,
@@ -875,7 +1216,8 @@ def cost_config_from_run(run: Any, *, hardware: str, architecture: Architecture,
         samples_per_prompt=rollout.samples_per_prompt,
         generated_tokens=int(MEAN_GENERATED_FRACTION * rollout.max_response_tokens),
         num_steps=run.train.num_steps, hardware=get_hardware(hardware).name,
-        train_precision="fp8" if run.model.fp8 else "bf16", generator_precision="bf16",
+        train_precision="fp8" if run.model.fp8 else "bf16",
+        generator_precision=rollout.precision,
         generator_devices_per_instance=rollout.tp_size,
         max_running_requests=max(1, decode_batch),
         mem_fraction_static=rollout.mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC,
@@ -913,8 +1255,10 @@ def plan_rows(plan: MemoryPlan) -> list[tuple[str, str, str]]:
     if t.sync is not None:
         rows.append(("total", _gib(t.total), f"{t.total / cap:.0%} of {_gib(cap)} GiB in a "
                      "training step"))
+        quantising = (f", quantising to FP8 up to {_size(t.sync.quantization)}"
+                      if t.sync.quantization else "")
         rows.append(("peak during a weight sync", _gib(t.sync_peak),
-                     f"activations freed; to_hf allocates {_size(t.sync.conversion)} "
+                     f"activations freed; to_hf allocates {_size(t.sync.conversion)}{quantising} "
                      f"(largest bucket {_size(t.sync.largest_bucket)}, "
                      f"{t.sync.num_buckets} buckets)"))
         rows.append(("peak", _gib(t.peak), f"{t.peak / cap:.0%} of {_gib(cap)} GiB: "
@@ -924,7 +1268,9 @@ def plan_rows(plan: MemoryPlan) -> list[tuple[str, str, str]]:
                      + ("fits" if t.fits else "DOES NOT FIT")))
     rows.append((f"generator device (engine of {g.devices} GPUs)", "", ""))
     for name, value in g.components.items():
-        note = f"{g.concurrency} sequences" if name == "KV cache" else ""
+        note = f"{g.concurrency} sequences" if name == "KV cache" else \
+            _size(value) if name.startswith("weights: FP8 scales") and value >= 2**20 else \
+            f"{value / 2**10:,.0f} KiB" if name.startswith("weights: FP8 scales") else ""
         rows.append((name, _gib(value), note))
     rows.append(("total", _gib(g.total), f"{g.total / cap:.0%} of {_gib(cap)} GiB"))
     rows.append(("largest concurrency", f"{g.max_concurrency}",
@@ -1008,7 +1354,9 @@ def recipe_block(run: Any, *, hardware: str, rack_counts: Sequence[int] = (),
     lines += [
         f"# Cost model (megatron-rl cost; mean generated tokens = {MEAN_GENERATED_FRACTION} x "
         f"{run.rollout.max_response_tokens} = {c.generated_tokens}, train MFU {c.train_mfu}, "
-        f"{c.train_precision} training):",
+        f"{c.train_precision} training"
+        + (f", {c.generator_precision} generators" if c.generator_precision != "bf16" else "")
+        + "):",
         f"#   GPU-hours per step (balanced): {cost.gpu_hours_per_step:.3f}; generator : trainer "
         f"device-time {cost.generator_to_trainer_ratio:.2f} : 1",
         f"#   this recipe: {gen_devices} generator + {run.parallelism.world_size} trainer GPUs; "
@@ -1072,7 +1420,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="megatron-rl plan",
         description="Per-device memory of a recipe's trainer ranks and generators, whether it "
                     "fits, and the largest generator concurrency that does.")
-    parser.add_argument("recipe", nargs="+", help="YAML recipe(s) of `megatron-rl train`")
+    parser.add_argument("recipe", nargs="+",
+                        help="YAML recipe(s) of `megatron-rl train`, then any dotted overrides "
+                             "as `megatron-rl train` takes them (rollout.precision=fp8)")
     parser.add_argument("--hardware", default=None,
                         help=f"one of {', '.join(k.lower() for k in ACCELERATORS)} (default: "
                              "the recipe's `# plan: hardware=...` line, else gb200)")
@@ -1091,12 +1441,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Intermixed: overrides may follow options (`RECIPE --hardware h100 rollout.precision=fp8`).
+    args = build_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     from megatron_rl.config import ConfigError, load_config
 
     status = 0
+    overrides = [item for item in args.recipe if "=" in item]
+    recipes = [item for item in args.recipe if "=" not in item]
+    if overrides and (args.update_recipe or args.check_recipe):
+        print("megatron-rl plan: error: a generated block is of the recipe as written; drop the "
+              f"overrides ({' '.join(overrides)}) or edit the recipe", file=sys.stderr)
+        return 2
     try:
-        for recipe in args.recipe:
+        for recipe in recipes:
             if args.update_recipe or args.check_recipe:
                 fresh = render_recipe(recipe)
                 if args.update_recipe:
@@ -1108,7 +1465,7 @@ def main(argv: list[str] | None = None) -> int:
                     status = 1
                 continue
             hardware = args.hardware or recipe_header(Path(recipe).read_text())["hardware"]
-            plan = plan_run(load_config(recipe), hardware=hardware,
+            plan = plan_run(load_config(recipe, overrides), hardware=hardware,
                             concurrency=args.concurrency, reserved_gib=args.reserved_gib)
             print_plan(plan)
     except (ConfigError, ValueError, FileNotFoundError) as err:

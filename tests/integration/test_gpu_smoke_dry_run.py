@@ -1,5 +1,6 @@
 """tools/gpu_smoke.py on CPU. `--dry-run --cpu` writes one JSON record per stage, in the stage
-order, every stage's configuration checked: the FP8 recipes pad every micro-batch (the padding one
+order, every stage's configuration checked (stage 6: the FP8 engine's layout through SGLang's
+Fp8Config and the real quantiser): the FP8 recipes pad every micro-batch (the padding one
 too) to their token alignment, SGLang's own parser takes both servers' arguments, the in-memory
 sync's buckets are small enough to reuse buffers, the trainer environment of the colocated
 hand-over has no expandable segments, and the Scout MoE layer's planner figure is there; and stage
@@ -40,7 +41,7 @@ def test_dry_run_on_cpu_checks_every_stage_and_runs_the_trainer(tmp_path):
         assert set(record) == set(gpu_smoke.RECORD_FIELDS)
         assert (record["status"], record["mode"], record["error"]) == ("ok", "cpu", None)
     assert sum(r["budget_s"] for r in records) == gpu_smoke.TIME_LIMIT_S == 600
-    imports, trainer, sglang, colocated, moe = (r["result"] for r in records)
+    imports, trainer, sglang, colocated, moe, fp8_serving = (r["result"] for r in records)
 
     assert imports["modules"]["megatron.core"]["imported"]
     env = imports["environment"]
@@ -97,3 +98,8 @@ def test_dry_run_on_cpu_checks_every_stage_and_runs_the_trainer(tmp_path):
         5120, 16, 8192)  # Scout's
     assert moe["planner_bytes"] == sum(moe["planner_parts"].values()) > 0
     assert {"attention", "experts", "router"} <= set(moe["planner_parts"])
+
+    # Stage 6 (issue 40): SGLang's own Fp8Config reads the served layout; the real quantiser's
+    # bytes are the planner's (tests/unit/test_gpu_smoke.py checks the rest in-process).
+    assert fp8_serving["sglang_weight_block_size"] == [64, 64]  # 2 KV heads of 32
+    assert fp8_serving["fp8_bytes"] == fp8_serving["planner"]["fp8"] > 0

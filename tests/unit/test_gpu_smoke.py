@@ -44,12 +44,13 @@ def test_the_first_failure_stops_the_run_and_every_stage_gets_a_record(tmp_path,
         "trainer": failing,
         "sglang": lambda ctx: calls.append("sglang") or {},
         "colocated": lambda ctx: calls.append("colocated") or {},
-        "moe_layer": lambda ctx: calls.append("moe_layer") or {}})
+        "moe_layer": lambda ctx: calls.append("moe_layer") or {},
+        "fp8_serving": lambda ctx: calls.append("fp8_serving") or {}})
     output = tmp_path / "out.jsonl"
     ctx = gpu_smoke.Context(mode="dry_run", work=tmp_path)
     records = gpu_smoke.run(ctx, list(gpu_smoke.STAGES), output)
     assert calls == ["imports"]
-    assert [r["status"] for r in records] == ["ok", "failed", "not_run", "not_run", "not_run"]
+    assert [r["status"] for r in records] == ["ok", "failed"] + ["not_run"] * 4
     failed = records[1]
     assert failed["error"] == "SmokeFailure: log-probs differ"
     assert failed["result"] == {"mean_abs": 0.3} and "Traceback" in failed["traceback"]
@@ -105,3 +106,41 @@ def test_the_sglang_stages_serve_the_chunk_on_hopper_and_blackwell(tmp_path, mon
         assert (parsed["device"], parsed["attention_backend"]) == ("cuda", backend)
         assert parsed["disable_hybrid_swa_memory"] is (backend == "torch_native")
         assert parsed["enable_weights_cpu_backup"] is saver
+
+
+def test_the_fp8_stage_quantises_what_the_planner_counts(monkeypatch):
+    """Stage 6's configuration without SGLang: the demo model's largest block the planner
+    accepts (k_proj / v_proj: 2 KV heads of 32 = 64 rows, so 64, not 128), the real
+    quantiser over every tensor SGLang holds in FP8 (per layer q, k, v, o, the fused experts'
+    two tensors and the shared expert's three: 9 x 4 layers), bytes equal to the planner's; a
+    quantiser writing other scales fails the check."""
+    served = gpu_smoke.fp8_served_config()
+    assert served["block"] == 64
+    assert served["quantization_config"] == {"quant_method": "fp8", "activation_scheme":
+                                             "dynamic", "weight_block_size": [64, 64]}
+    result = gpu_smoke.quantiser_check(served, {})
+    assert result["quantised_tensors"] == 36
+    assert (result["fp8_bytes"], result["scale_bytes"]) == (result["planner"]["fp8"],
+                                                            result["planner"]["scales"])
+    assert 1 / 64 < result["max_error_over_amax"] <= (1 + 1e-5) / 28
+    from megatron_rl.weight_sync import fp8
+
+    real = fp8.quantize_named
+
+    def halved_scales(name, tensor, layout):
+        return {k: v / 2 if v.dtype == fp8.torch.float32 else v
+                for k, v in real(name, tensor, layout).items()}
+
+    monkeypatch.setattr(fp8, "quantize_named", halved_scales)
+    with pytest.raises(gpu_smoke.SmokeFailure, match="round trip is off"):
+        gpu_smoke.quantiser_check(served, {})
+
+
+def test_the_fp8_stage_skips_with_one_line_without_sglang(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "sglang" else real(name, *a))
+    result = gpu_smoke.stage_fp8_serving(gpu_smoke.Context(mode="gpu", work=tmp_path))
+    assert result == {"skipped": "SGLang is not importable here: no FP8 engine to serve"}

@@ -89,10 +89,10 @@ def _tiny_mapping():
     # o_proj's shard 1 (columns: strided) needs 128 / 2 = 64 B of scratch -> 256 (aligned);
     # experts 2 and 3 come whole from EP rank 1, 192 B each -> 2 x 256.
     (600, dict(num_buckets=3, largest_bucket=768, buffers=2 * 768, gathered=512,
-               conversion=768)),
+               conversion=768, quantization=0)),
     # One bucket of all three (1408 B): one buffer; gathered 256 + 512 at once.
     (2**20, dict(num_buckets=1, largest_bucket=1408, buffers=1408, gathered=768,
-                 conversion=768)),
+                 conversion=768, quantization=0)),
 ])
 def test_sender_sync_memory_by_hand(bucket_bytes, expected):
     memory = plan.sender_sync_memory(TINY_MOE, TP2_EP2, _tiny_mapping(), pp_rank=0,
