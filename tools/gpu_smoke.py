@@ -70,10 +70,12 @@ transformers, converted with megatron_rl.convert, served by SGLang from the layo
    folder's FP8 tensors quantised by weight_sync/fp8.py), a bf16 train step, the weight sync
    quantising into the engine (in-memory transport), then the per-token |logp_engine -
    logp_trainer|, printed with its bound (FP8_MISMATCH_BOUND). Skipped with one line where
-   SGLang is not importable, or where the checkout's weight sync cannot quantise. Its
-   configuration part (also the dry run's): SGLang's own Fp8Config reads the served
-   quantization_config, the real quantiser quantises a random bf16 copy of every tensor SGLang
-   holds in FP8, each within FP8's bound, and its bytes equal the planner's for the engine.
+   SGLang is not importable. Its configuration part (also the dry run's): SGLang's own
+   Fp8Config reads the served quantization_config (weight_sync/fp8.py
+   served_quantization_config); the weight sync's own quantiser and bucket plan, built as
+   WeightSync builds them from the stage's settings, quantise a random bf16 copy of every tensor
+   SGLang holds in FP8, each as planned and within FP8's bound, and the plan's bytes equal the
+   planner's for the engine.
 
 Each stage has a time budget (STAGE_BUDGET_S, 600 s in all) and its pass criteria (tolerances
 below). Output: one JSON line per stage, written as the stage ends ({"stage", "index", "status":
@@ -1126,15 +1128,18 @@ def stage_moe_layer(ctx: Context, *, use_transformer_engine: bool = True) -> dic
 def fp8_served_config() -> dict:
     """The demo model served FP8 (rollout.precision=fp8) at TP 1: the largest of
     FP8_BLOCK_SIZES the planner accepts for it (megatron_rl.scaling.plan.check_fp8_rollout:
-    SGLang's block-shape rules, Llama-4's whole heads), its served quantization_config, and the
-    HF tensors the weight sync sends (meta)."""
+    SGLang's block-shape rules, Llama-4's whole heads), its served quantization_config (the
+    weight sync's builder, weight_sync/fp8.py served_quantization_config), the family's mapping
+    and the HF tensors the weight sync sends (meta)."""
     import types
 
     from megatron_rl.scaling import plan
     from megatron_rl.scaling.hardware import ACCELERATORS
+    from megatron_rl.weight_sync.fp8 import served_quantization_config
 
     arch = plan.Architecture.from_family("llama4", TINY_SIZE)
-    hf_tensors = plan.hf_meta_tensors(arch, plan.family_mapping("llama4", TINY_SIZE))
+    mapping = plan.family_mapping("llama4", TINY_SIZE)
+    hf_tensors = plan.hf_meta_tensors(arch, mapping)
     for block in FP8_BLOCK_SIZES:
         rollout = types.SimpleNamespace(precision="fp8", fp8_block_size=block,
                                         fp8_scale_fmt="float32", tp_size=1, ep_size=1)
@@ -1144,16 +1149,22 @@ def fp8_served_config() -> dict:
                                    hf_names=hf_tensors)
         except ValueError:
             continue
-        return {"block": block, "quantization_config": plan.served_quantization_config(rollout),
-                "hf_tensors": hf_tensors}
+        return {"block": block, "quantization_config": served_quantization_config(rollout),
+                "architecture": arch, "mapping": mapping, "hf_tensors": hf_tensors}
     raise SmokeFailure(f"no block size of {FP8_BLOCK_SIZES} fits the demo model", {})
+
+
+def fp8_sync_settings(quantization_config: dict):
+    """The in-memory sync's settings with the served quantization_config: the sync quantises."""
+    return dataclasses.replace(sync_settings("tensor"), quantization_config=quantization_config)
 
 
 def check_fp8_serving(ctx: Context) -> dict:
     """The FP8 stage's configuration on CPU: SGLang's own Fp8Config reads the served
-    quantization_config; the real quantiser (weight_sync/fp8.py) quantises a random bf16 copy of
-    every tensor SGLang holds in FP8 (Llama-4's experts unfused per expert), each within FP8's
-    bound (amax / 28 per block) of its input; its bytes equal the planner's for the engine."""
+    quantization_config; the weight sync's own FP8 path (the quantiser and bucket plan
+    WeightSync builds from its settings) quantises a random bf16 copy of every tensor SGLang
+    holds in FP8 (Llama-4's experts unfused per expert), each as planned and within FP8's bound
+    (amax / 28 per block) of its input; its bytes equal the planner's for the engine."""
     if ctx.mode != "gpu":  # CPU: the stand-ins SGLang's layer imports need
         from megatron_rl.platform.sglang_cpu import apply_sglang_cpu_fixes
 
@@ -1172,46 +1183,76 @@ def check_fp8_serving(ctx: Context) -> dict:
 
 
 def quantiser_check(served: dict, result: dict) -> dict:
-    """The real quantiser on a random bf16 copy of every tensor SGLang holds in FP8: each
-    within FP8's bound, bytes equal to the planner's, nothing high-precision quantised."""
+    """The weight sync's FP8 path on the demo model, as WeightSync builds it from
+    `fp8_sync_settings` (weight_sync/fp8.py SyncQuantiser over the mapping's HF names, its
+    bucket plan by weight_sync/plan.py plan_buckets): the quantiser on a random bf16 copy of
+    every tensor SGLang holds in FP8 writes each piece under the name, dtype and shape its plan
+    has, within FP8's bound; the plan's fp8, scale and high-precision bytes equal the planner's
+    engine weights (megatron_rl.scaling.plan.served_weight_bytes) and what the quantiser wrote;
+    nothing high-precision is quantised."""
     import torch
 
     from megatron_rl.scaling import plan
-    from megatron_rl.weight_sync.fp8 import dequantize_blockwise, quantize_named
+    from megatron_rl.weight_sync import fp8
+    from megatron_rl.weight_sync.plan import plan_buckets
 
-    config, hf_tensors = served["quantization_config"], served["hf_tensors"]
-    pieces = plan.Fp8Pieces(config, hf_tensors)
+    arch, mapping, hf_tensors = served["architecture"], served["mapping"], served["hf_tensors"]
+    settings = fp8_sync_settings(served["quantization_config"])
+    quantiser = fp8.SyncQuantiser(settings.quantization_config,
+                                  [name for group in mapping for name in group.hf_names],
+                                  head_dim=arch.head_dim)
+    full = {p.name: p.shape for p in plan.rank_parameters(arch, plan.TrainerLayout(), pp_rank=0)}
+    buckets = plan_buckets(
+        [group for group in mapping if group.megatron_names],
+        lambda name: torch.empty(full[name], dtype=torch.bfloat16, device="meta"),
+        bucket_bytes=settings.bucket_bytes, dtype=settings.dtype, quantiser=quantiser)
+    specs = {spec.name: spec for bucket in buckets for spec in bucket.specs}
+    layout = quantiser.layout
     generator = torch.Generator().manual_seed(0)
     fp8_bytes = scale_bytes = 0
+    scale_names, mismatched = set(), []
     worst = 0.0  # max |dequantised - input| / amax(input), over the pieces
-    block = pieces.layout.weight_block_size
-    for name in sorted(pieces.quantised):
-        meta = hf_tensors[name]
-        tensor = (torch.randn(meta.shape, generator=generator) * 0.02).to(torch.bfloat16)
-        for piece_name, piece in pieces.inputs(name, tensor).items():
-            out = quantize_named(piece_name, piece, pieces.layout)
-            weight, scale = out[piece_name], out[pieces.layout.scale_name(piece_name)]
+    for name in sorted(quantiser.quantised):
+        tensor = (torch.randn(hf_tensors[name].shape, generator=generator) * 0.02).to(
+            torch.bfloat16)
+        sent = quantiser.quantize(name, tensor)
+        mismatched += [n for n, t in sent.items() if n not in specs or (
+            specs[n].dtype, specs[n].shape) != (t.dtype, tuple(t.shape))]
+        pieces = fp8.unfuse_llama4_experts(name, tensor) if fp8.is_llama4_fused_experts(name) \
+            else {name: tensor}
+        for piece_name, piece in pieces.items():
+            weight, scale = sent[piece_name], sent[layout.scale_name(piece_name)]
+            scale_names.add(layout.scale_name(piece_name))
             fp8_bytes += weight.numel() * weight.element_size()
             scale_bytes += scale.numel() * scale.element_size()
-            back = dequantize_blockwise(weight, scale, block) if block else weight.float() * scale
+            back = fp8.dequantize_blockwise(weight, scale, layout.weight_block_size) \
+                if layout.weight_block_size else weight.float() * scale
             worst = max(worst, float((back - piece.float()).abs().max()
                                      / piece.float().abs().max()))
+    sync_bytes = {"fp8": sum(s.num_bytes for s in specs.values() if s.dtype == fp8.FP8_DTYPE),
+                  "scales": sum(specs[n].num_bytes for n in scale_names if n in specs)}
+    sync_bytes["high_precision"] = sum(s.num_bytes for s in specs.values()) - sum(
+        sync_bytes.values())
     planned = plan.served_weight_bytes(hf_tensors, generator_dtype="bfloat16",
-                                       quantization_config=config)
-    result.update(quantised_tensors=len(pieces.quantised),
-                  high_precision=sorted(set(hf_tensors) - pieces.quantised)[:8],
-                  fp8_bytes=fp8_bytes, scale_bytes=scale_bytes,
+                                       quantization_config=served["quantization_config"])
+    result.update(quantised_tensors=len(quantiser.quantised),
+                  high_precision=sorted(set(hf_tensors) - quantiser.quantised)[:8],
+                  fp8_bytes=fp8_bytes, scale_bytes=scale_bytes, sync_buckets=len(buckets),
+                  sync_bytes=sync_bytes,
                   planner={"fp8": planned.fp8, "scales": planned.scales,
                            "high_precision": planned.high_precision},
                   max_error_over_amax=worst)
+    expect(not mismatched, f"the quantiser wrote {mismatched[:4]} other than the sync's bucket "
+           "plan has them (name, dtype, shape)", result)
     # Half a step at e4m3's top binade is amax / 28 (weight_sync/fp8.py), plus float32 rounding.
     expect(worst <= (1 + 1e-5) / 28, f"the quantiser's round trip is off by {worst:.4g} of "
            "amax (FP8's bound: 1/28)", result)
-    expect((fp8_bytes, scale_bytes) == (planned.fp8, planned.scales), "the planner counts "
-           f"{planned.fp8} fp8 + {planned.scales} scale bytes, the quantiser wrote {fp8_bytes} + "
-           f"{scale_bytes}", result)
-    expect(not any(k in n for n in pieces.quantised for k in ("router", "embed", "lm_head",
-                                                                "norm")),
+    expect(sync_bytes == result["planner"] and (fp8_bytes, scale_bytes) == (
+        planned.fp8, planned.scales), f"the planner counts {result['planner']} bytes, the "
+           f"sync's buckets hold {sync_bytes}, the quantiser wrote {fp8_bytes} fp8 + "
+           f"{scale_bytes} scale bytes", result)
+    expect(not any(k in n for n in quantiser.quantised for k in ("router", "embed", "lm_head",
+                                                                   "norm")),
            "a router, embedding, LM head or norm would be quantised", result)
     return result
 
@@ -1223,21 +1264,16 @@ def write_fp8_served(model: TinyModel, quantization_config: dict, target: Path) 
 
     from safetensors.torch import load_file, save_file
 
-    from megatron_rl.scaling import plan
-    from megatron_rl.weight_sync.fp8 import quantize_named
+    from megatron_rl.weight_sync.fp8 import SyncQuantiser
 
     shutil.copytree(model.served_dir, target, ignore=shutil.ignore_patterns("*.safetensors*"))
     state = {}
     for path in sorted(model.served_dir.glob("*.safetensors")):
         state.update(load_file(path))
-    pieces = plan.Fp8Pieces(quantization_config, state)
+    quantiser = SyncQuantiser(quantization_config, state)
     out = {}
     for name, tensor in state.items():
-        if name not in pieces.quantised:
-            out[name] = tensor
-            continue
-        for piece_name, piece in pieces.inputs(name, tensor).items():
-            out.update(quantize_named(piece_name, piece, pieces.layout))
+        out.update(quantiser.quantize(name, tensor) or {name: tensor})
     save_file({k: v.contiguous() for k, v in out.items()}, target / "model.safetensors")
     config = json.loads((model.served_dir / "config.json").read_text())
     config["quantization_config"] = quantization_config
@@ -1252,11 +1288,8 @@ def stage_fp8_serving(ctx: Context) -> dict:
 
     if importlib.util.find_spec("sglang") is None:
         return {"skipped": "SGLang is not importable here: no FP8 engine to serve"}
-    from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
+    from megatron_rl.weight_sync import WeightSync
 
-    if "quantization_config" not in {f.name for f in dc.fields(WeightSyncSettings)}:
-        return {"skipped": "this checkout's weight sync does not quantise to FP8 (issue 40 "
-                           "item 1): no quantised sync to check"}
     result = check_fp8_serving(ctx)
     model = tiny_model(ctx)
     if refusal := chunked_attention_refusal(ctx):
@@ -1273,8 +1306,7 @@ def stage_fp8_serving(ctx: Context) -> dict:
     trainer.train_step(make_batch(sequences, reference_logprobs(model)))
     result["stale"] = against_generator(trainer, generator, sequences)
     sync = WeightSync(trainer.model, model.family.weight_groups(), [generator],
-                      dc.replace(sync_settings("tensor"), quantization_config=config),
-                      hf_vocab_size=model.family.hf_config.vocab_size)
+                      fp8_sync_settings(config), hf_vocab_size=model.family.hf_config.vocab_size)
     try:
         report = sync.sync(version=1)
     finally:

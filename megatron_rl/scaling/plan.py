@@ -505,8 +505,9 @@ def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Seque
     dim 1 (strided places); the Arena keeps the largest bucket's need. Then each group's to_hf
     runs; what it allocates (not views: Llama-4's torch.stack of the fused experts) is copied
     into the bucket and freed. The sender holds expert-parallel rank 0's experts and TP rank 0's
-    shards. FP8 generators (`quantization_config`, the served config's): the buckets hold the
-    fp8 weights and scales of the tensors SGLang holds in FP8 (Fp8Pieces), which are never
+    shards. FP8 generators (`quantization_config`, the served config's): the buckets are planned
+    with the sync's own quantiser (weight_sync/fp8.py SyncQuantiser, built as WeightSync builds
+    it), so they hold the fp8 weights and scales of the tensors SGLang holds in FP8, never
     gathered in place (the quantiser reads the gathered tensor and writes other bytes), and
     each group's quantisation allocates `quantization` during a sync."""
     import torch
@@ -523,15 +524,15 @@ def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Seque
     def meta(name: str) -> torch.Tensor:
         return torch.empty(full[name].shape, dtype=dtype, device="meta")
 
-    pieces = None
-    if quantization_config is None:
-        buckets = plan_buckets(groups, meta, bucket_bytes=bucket_bytes,
-                               dtype=getattr(torch, generator_dtype))
-    else:
-        pieces = Fp8Pieces(quantization_config,
-                           hf_meta_tensors(arch, groups, params_dtype=params_dtype))
-        buckets = plan_buckets([_Fp8Group(g, pieces, getattr(torch, generator_dtype))
-                                for g in groups], meta, bucket_bytes=bucket_bytes)
+    quantiser = None
+    if quantization_config is not None:
+        from megatron_rl.weight_sync.fp8 import SyncQuantiser
+
+        quantiser = SyncQuantiser(quantization_config,
+                                  [name for group in groups for name in group.hf_names],
+                                  head_dim=arch.head_dim)
+    buckets = plan_buckets(groups, meta, bucket_bytes=bucket_bytes,
+                           dtype=getattr(torch, generator_dtype), quantiser=quantiser)
     if not buckets:
         return SenderSyncMemory(num_buckets=0, largest_bucket=0, buffers=0, gathered=0,
                                 conversion=0)
@@ -566,56 +567,41 @@ def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Seque
         allocated = [t for t in outputs.values()
                      if t._base is None and not any(t is x for x in inputs.values())]
         conversion = max(conversion, sum(t.numel() * element for t in allocated))
-        if pieces is not None:
-            quantization = max(quantization, _quantization_bytes(pieces, outputs, element))
+        if quantiser is not None:
+            quantization = max(quantization, _quantization_bytes(quantiser, outputs, element))
     largest = max(bucket.num_bytes for bucket in buckets)
     return SenderSyncMemory(num_buckets=len(buckets), largest_bucket=largest,
                             buffers=min(2, len(buckets)) * largest, gathered=gathered,
                             conversion=conversion, quantization=quantization)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Fp8Group:
-    """A mapping group as the FP8 sync sends it: its HF tensors in the generator dtype, the
-    ones SGLang holds in FP8 as their fp8 weights and scales (what plan_buckets packs)."""
-
-    group: Any
-    pieces: "Fp8Pieces"
-    dtype: Any  # the generators' torch dtype
-
-    @property
-    def megatron_names(self) -> tuple[str, ...]:
-        return self.group.megatron_names
-
-    def to_hf(self, inputs: dict) -> dict:
-        import torch
-
-        out = {}
-        for name, tensor in self.group.to_hf(inputs).items():
-            planned = self.pieces.planned(name, tensor)
-            if planned is not None:
-                out.update(planned)
-            else:  # as plan_buckets' `dtype` would: a cast is a new tensor (never in place)
-                out[name] = tensor if tensor.dtype == self.dtype else torch.empty(
-                    tensor.shape, dtype=self.dtype, device="meta")
-        return out
-
-
-def _quantization_bytes(pieces: "Fp8Pieces", outputs: Mapping[str, Any], element: int) -> int:
+def _quantization_bytes(quantiser: Any, outputs: Mapping[str, Any], element: int) -> int:
     """What quantising one group's HF tensors allocates at once, at most: Llama-4's per-expert
     copies of its fused experts (in the params dtype), the fp8 weights and scales before they
-    are copied into the bucket, and the quantiser's float32 scratch of the largest piece."""
+    are copied into the bucket, and the quantiser's float32 scratch of the largest piece
+    (`quantiser`: weight_sync/fp8.py SyncQuantiser)."""
+    import torch
+
     copies = results = scratch = 0
     for name, tensor in outputs.items():
-        planned = pieces.planned(name, tensor)
+        planned = quantiser.planned(name, tensor)
         if planned is None:
             continue
-        inputs = pieces.inputs(name, tensor)
-        if name not in inputs:  # unfused: new tensors
-            copies += sum(t.numel() for t in inputs.values()) * element
+        pieces = [t for t in planned.values() if t.dtype == torch.float8_e4m3fn]
+        if name not in planned:  # unfused per expert: new tensors
+            copies += sum(t.numel() for t in pieces) * element
         results += sum(t.numel() * t.element_size() for t in planned.values())
-        scratch = max(scratch, *(pieces.scratch_elements(t) for t in inputs.values()))
+        scratch = max(scratch, *(_scratch_elements(quantiser.layout, t) for t in pieces))
     return copies + results + QUANTISER_SCRATCH_BYTES_PER_ELEMENT * scratch
+
+
+def _scratch_elements(layout: Any, piece: Any) -> int:
+    """Elements of the quantiser's float32 working copy of `piece` (padded to whole blocks)."""
+    block = layout.weight_block_size
+    if block is None:
+        return piece.numel()
+    *batch, rows, cols = piece.shape
+    return math.prod(batch) * _pad(rows, block[0]) * _pad(cols, block[1])
 
 
 def family_mapping(name: str, size: str) -> list:
@@ -636,19 +622,6 @@ def family_mapping(name: str, size: str) -> list:
 QUANTISER_SCRATCH_BYTES_PER_ELEMENT = 12
 
 
-def served_quantization_config(rollout: Any) -> dict | None:
-    """The served config's `quantization_config` for rollout.precision / fp8_block_size /
-    fp8_scale_fmt (the keys SGLang's Fp8Config.from_config reads); None for bf16."""
-    if rollout.precision != "fp8":
-        return None
-    config: dict[str, Any] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-    if rollout.fp8_block_size is not None:
-        config["weight_block_size"] = [rollout.fp8_block_size, rollout.fp8_block_size]
-    if rollout.fp8_scale_fmt == "ue8m0":
-        config["scale_fmt"] = "ue8m0"
-    return config
-
-
 def hf_meta_tensors(arch: Architecture, mapping: Sequence, *,
                     params_dtype: str = "bfloat16") -> dict[str, Any]:
     """{HF name: meta tensor} of the whole model as the weight sync sends it: each mapping
@@ -664,53 +637,6 @@ def hf_meta_tensors(arch: Architecture, mapping: Sequence, *,
                                                       device="meta")
                                     for name in group.megatron_names}))
     return out
-
-
-class Fp8Pieces:
-    """What the weight sync sends for each HF tensor when the generators serve FP8 (the
-    served config `quantization_config`): a tensor SGLang holds in FP8 (weight_sync/fp8.py
-    `fp8_quantized`) becomes its fp8 weight (1 byte an element) and float32 scale under their
-    HF names, Llama-4's fused experts unfused per expert first (`unfuse_llama4_experts`), as
-    meta tensors; None for a tensor sent as it is."""
-
-    def __init__(self, quantization_config: Mapping, hf_names: Iterable[str]):
-        from megatron_rl.weight_sync.fp8 import Fp8Layout, fp8_quantized
-
-        self.layout = Fp8Layout.from_quantization_config(quantization_config)
-        self.quantised = frozenset(fp8_quantized(quantization_config, hf_names))
-
-    def inputs(self, name: str, tensor: Any) -> dict[str, Any]:
-        """The tensors quantised one by one for `name` (Llama-4's experts: one per expert)."""
-        from megatron_rl.weight_sync.fp8 import unfuse_llama4_experts
-
-        return unfuse_llama4_experts(name, tensor) if _llama4_fused_experts(name) \
-            else {name: tensor}
-
-    def planned(self, name: str, tensor: Any) -> dict[str, Any] | None:
-        import torch
-
-        if name not in self.quantised:
-            return None
-        out = {}
-        for piece_name, piece in self.inputs(name, tensor).items():
-            *batch, rows, cols = piece.shape
-            block = self.layout.weight_block_size
-            scale_shape = () if block is None else \
-                (*batch, -(-rows // block[0]), -(-cols // block[1]))
-            out[piece_name] = torch.empty(piece.shape, dtype=torch.float8_e4m3fn,
-                                          device="meta")
-            out[self.layout.scale_name(piece_name)] = torch.empty(
-                scale_shape, dtype=torch.float32, device="meta")
-        return out
-
-    def scratch_elements(self, piece: Any) -> int:
-        """Elements of the quantiser's float32 working copy of `piece` (padded to whole
-        blocks)."""
-        block = self.layout.weight_block_size
-        if block is None:
-            return piece.numel()
-        *batch, rows, cols = piece.shape
-        return math.prod(batch) * _pad(rows, block[0]) * _pad(cols, block[1])
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -729,16 +655,19 @@ class ServedWeights:
 def served_weight_bytes(hf_tensors: Mapping[str, Any], *, generator_dtype: str,
                         quantization_config: Mapping | None) -> ServedWeights:
     """The engine's weights by kind: with an FP8 `quantization_config`, the quantised tensors'
-    fp8 bytes and scales (Fp8Pieces) and the rest (embeddings, LM head, routers, norms) at
-    the generator dtype; without one, all of it at the generator dtype."""
+    fp8 bytes and scales as the weight sync sends them (weight_sync/fp8.py SyncQuantiser
+    .planned) and the rest (embeddings, LM head, routers, norms) at the generator dtype;
+    without one, all of it at the generator dtype."""
     element = DTYPE_BYTES[generator_dtype]
     if quantization_config is None:
         return ServedWeights(high_precision=sum(t.numel() for t in hf_tensors.values())
                              * element)
-    pieces = Fp8Pieces(quantization_config, hf_tensors)
+    from megatron_rl.weight_sync.fp8 import SyncQuantiser
+
+    quantiser = SyncQuantiser(quantization_config, hf_tensors)
     fp8 = scales = high = 0
     for name, tensor in hf_tensors.items():
-        planned = pieces.planned(name, tensor)
+        planned = quantiser.planned(name, tensor)
         if planned is None:
             high += tensor.numel() * element
             continue
@@ -802,7 +731,9 @@ def check_fp8_rollout(run: Any, *, accelerator: Accelerator, arch: Architecture,
     sizes = fp8_partition_sizes(arch, tp_size=tp, ep_size=math.gcd(rollout.ep_size, tp))
     bad = {what: size for what, size in sizes.items() if size % block}
     divisor = math.gcd(*sizes.values())
-    fused_experts = hf_names is not None and any(map(_llama4_fused_experts, hf_names))
+    from megatron_rl.weight_sync.fp8 import is_llama4_fused_experts
+
+    fused_experts = hf_names is not None and any(map(is_llama4_fused_experts, hf_names))
     if bad:
         listed = ", ".join(f"{what} {size}" for what, size in bad.items())
         hint = f"a block size dividing {divisor} (e.g. rollout.fp8_block_size={divisor})"
@@ -820,14 +751,6 @@ def check_fp8_rollout(run: Any, *, accelerator: Accelerator, arch: Architecture,
             check_llama4_block_rows(Fp8Layout(weight_block_size=(block, block)), arch.head_dim)
         except ValueError as err:
             raise ValueError(f"rollout.fp8_block_size={block}: {err}") from None
-
-
-def _llama4_fused_experts(name: str) -> bool:
-    """Llama-4's fused HF expert tensors (`...experts.gate_up_proj` / `.down_proj`)."""
-    from megatron_rl.weight_sync.fp8 import LLAMA4_FUSED_EXPERT_TENSORS
-
-    base, _, leaf = name.rpartition(".")
-    return base.endswith(".experts") and leaf in LLAMA4_FUSED_EXPERT_TENSORS
 
 
 # --------------------------------------------------------------------------------------------
@@ -1070,6 +993,8 @@ def plan_run(run: Any, *, hardware: str, concurrency: int | None = None,
                              routing_imbalance=run.train.moe_routing_imbalance)
     rollout = run.rollout
     gen_dtype = run.model.params_dtype if rollout.dtype == "auto" else rollout.dtype
+    from megatron_rl.weight_sync.fp8 import served_quantization_config
+
     quantization_config = served_quantization_config(rollout)
     served = None
     if quantization_config is not None:

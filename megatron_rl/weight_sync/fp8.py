@@ -284,14 +284,14 @@ class SyncQuantiser:
         hf_names = list(hf_names)
         self.layout = Fp8Layout.from_quantization_config(quantization_config)
         self.quantised = frozenset(fp8_quantized(quantization_config, hf_names))
-        if head_dim is not None and any(_is_llama4_fused_experts(n) for n in hf_names):
+        if head_dim is not None and any(is_llama4_fused_experts(n) for n in hf_names):
             check_llama4_block_rows(self.layout, head_dim)
 
     def planned(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """What `quantize(name, tensor)` returns, as meta tensors (name -> dtype, shape)."""
         if name not in self.quantised:
             return None
-        pieces = unfuse_llama4_experts(name, tensor) if _is_llama4_fused_experts(name) \
+        pieces = unfuse_llama4_experts(name, tensor) if is_llama4_fused_experts(name) \
             else {name: tensor}
         out = {}
         for piece_name, piece in pieces.items():
@@ -318,12 +318,14 @@ class SyncQuantiser:
         fused expert stack is 2.7 GB in bf16; its quantised pieces together would be half that
         again)."""
         unfused = iter_unfused_llama4_experts(name, tensor) \
-            if _is_llama4_fused_experts(name) else [(name, tensor)]
+            if is_llama4_fused_experts(name) else [(name, tensor)]
         for piece_name, piece in unfused:
             yield from quantize_named(piece_name, piece, self.layout).items()
 
 
-def _is_llama4_fused_experts(name: str) -> bool:
+def is_llama4_fused_experts(name: str) -> bool:
+    """Llama-4's fused HF expert tensors (`...experts.gate_up_proj` / `.down_proj`), which are
+    quantised per expert (`unfuse_llama4_experts`)."""
     base, _, leaf = name.rpartition(".")
     return base.endswith(".experts") and leaf in LLAMA4_FUSED_EXPERT_TENSORS
 

@@ -1,13 +1,14 @@
 """tools/gpu_smoke.py on CPU. `--dry-run --cpu` writes one JSON record per stage, in the stage
 order, every stage's configuration checked (stage 6: the FP8 engine's layout through SGLang's
-Fp8Config and the real quantiser): the FP8 recipes pad every micro-batch (the padding one
-too) to their token alignment, SGLang's own parser takes both servers' arguments, the in-memory
-sync's buckets are small enough to reuse buffers, the trainer environment of the colocated
-hand-over has no expandable segments, and the Scout MoE layer's planner figure is there; and stage
-2 runs RLTrainer for real on the CPU stand-in (gloo, local spec): fp32 log-probs equal
-transformers' fp32 forward of the same converted weights, bf16 ones differ by bf16 noise only, a
-padding micro-batch changes no statistic, and train_step runs over it. A subprocess: the run
-activates the CPU shims and imports Megatron, which this test process must not inherit.
+Fp8Config, the weight sync's own quantiser and bucket plan against the planner): the FP8 recipes
+pad every micro-batch (the padding one too) to their token alignment, SGLang's own parser takes
+both servers' arguments, the in-memory sync's buckets are small enough to reuse buffers, the
+trainer environment of the colocated hand-over has no expandable segments, and the Scout MoE
+layer's planner figure is there; and stage 2 runs RLTrainer for real on the CPU stand-in (gloo,
+local spec): fp32 log-probs equal transformers' fp32 forward of the same converted weights, bf16
+ones differ by bf16 noise only, a padding micro-batch changes no statistic, and train_step runs
+over it. A subprocess: the run activates the CPU shims and imports Megatron, which this test
+process must not inherit.
 (~15 s: out of the unit tier; the runner itself is tests/unit/test_gpu_smoke.py.)
 """
 from __future__ import annotations
@@ -99,7 +100,9 @@ def test_dry_run_on_cpu_checks_every_stage_and_runs_the_trainer(tmp_path):
     assert moe["planner_bytes"] == sum(moe["planner_parts"].values()) > 0
     assert {"attention", "experts", "router"} <= set(moe["planner_parts"])
 
-    # Stage 6 (issue 40): SGLang's own Fp8Config reads the served layout; the real quantiser's
-    # bytes are the planner's (tests/unit/test_gpu_smoke.py checks the rest in-process).
+    # Stage 6 (issue 40): SGLang's own Fp8Config reads the served layout; the weight sync's own
+    # bucket plan with its quantiser, and the quantiser's bytes, are the planner's
+    # (tests/unit/test_gpu_smoke.py checks the rest in-process).
     assert fp8_serving["sglang_weight_block_size"] == [64, 64]  # 2 KV heads of 32
     assert fp8_serving["fp8_bytes"] == fp8_serving["planner"]["fp8"] > 0
+    assert fp8_serving["sync_bytes"] == fp8_serving["planner"]

@@ -110,18 +110,22 @@ def test_the_sglang_stages_serve_the_chunk_on_hopper_and_blackwell(tmp_path, mon
 
 def test_the_fp8_stage_quantises_what_the_planner_counts(monkeypatch):
     """Stage 6's configuration without SGLang: the demo model's largest block the planner
-    accepts (k_proj / v_proj: 2 KV heads of 32 = 64 rows, so 64, not 128), the real
-    quantiser over every tensor SGLang holds in FP8 (per layer q, k, v, o, the fused experts'
-    two tensors and the shared expert's three: 9 x 4 layers), bytes equal to the planner's; a
-    quantiser writing other scales fails the check."""
+    accepts (k_proj / v_proj: 2 KV heads of 32 = 64 rows, so 64, not 128), the weight sync's
+    own quantiser and bucket plan over every tensor SGLang holds in FP8 (per layer q, k, v, o,
+    the fused experts' two tensors and the shared expert's three: 9 x 4 layers), bytes equal to
+    the planner's; a quantiser writing other scales, or other shapes than the sync planned,
+    fails the check."""
     served = gpu_smoke.fp8_served_config()
     assert served["block"] == 64
-    assert served["quantization_config"] == {"quant_method": "fp8", "activation_scheme":
-                                             "dynamic", "weight_block_size": [64, 64]}
+    assert served["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3",
+                                             "activation_scheme": "dynamic",
+                                             "weight_block_size": [64, 64]}
     result = gpu_smoke.quantiser_check(served, {})
     assert result["quantised_tensors"] == 36
     assert (result["fp8_bytes"], result["scale_bytes"]) == (result["planner"]["fp8"],
                                                             result["planner"]["scales"])
+    assert result["sync_bytes"] == result["planner"]
+    assert result["sync_buckets"] > 1  # the stage's small buckets: the FP8 plan is split
     assert 1 / 64 < result["max_error_over_amax"] <= (1 + 1e-5) / 28
     from megatron_rl.weight_sync import fp8
 
@@ -133,6 +137,17 @@ def test_the_fp8_stage_quantises_what_the_planner_counts(monkeypatch):
 
     monkeypatch.setattr(fp8, "quantize_named", halved_scales)
     with pytest.raises(gpu_smoke.SmokeFailure, match="round trip is off"):
+        gpu_smoke.quantiser_check(served, {})
+    monkeypatch.setattr(fp8, "quantize_named", real)
+    # The sync's plan and its quantiser disagreeing (the plan one scale row short).
+    planned = fp8.SyncQuantiser.planned
+
+    def short_scales(self, name, tensor):
+        out = planned(self, name, tensor)
+        return out and {k: v[:-1] if v.dtype == fp8.torch.float32 else v for k, v in out.items()}
+
+    monkeypatch.setattr(fp8.SyncQuantiser, "planned", short_scales)
+    with pytest.raises(gpu_smoke.SmokeFailure, match="other than the sync's bucket plan"):
         gpu_smoke.quantiser_check(served, {})
 
 

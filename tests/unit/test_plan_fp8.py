@@ -4,6 +4,7 @@ on the tiny Llama and a one-layer MoE; the refusals (hardware without an FP8 pea
 SGLang's loader would refuse at the engine's TP); the cost model and the simulator read the same
 setting.
 """
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,11 +79,8 @@ def _moe_mapping():
 
 # test_plan.py's one-layer MoE: H 8, 4 heads of 2, 4 experts of width 6, vocabulary 32; TP 2 x
 # EP 2 (the sender holds experts 0 and 1 whole, TP shard 0 of the dense tensors).
-TINY_MOE = plan.Architecture(num_layers=1, hidden_size=8, num_attention_heads=4,
-                             num_query_groups=2, head_dim=2, ffn_hidden_size=16, vocab_size=32,
-                             num_experts=4, moe_ffn_hidden_size=6, moe_layer_pattern=(1,))
-TP2_EP2 = plan.TrainerLayout(world_size=4, tensor_model_parallel_size=2,
-                             expert_model_parallel_size=2, sequence_parallel=True)
+sys.path.insert(0, str(Path(__file__).parent))
+from test_plan import TINY_MOE, TP2_EP2  # noqa: E402
 
 
 def test_sender_buckets_and_quantisation_scratch_by_hand():
