@@ -568,31 +568,40 @@ def sender_sync_memory(arch: Architecture, layout: TrainerLayout, mapping: Seque
                      if t._base is None and not any(t is x for x in inputs.values())]
         conversion = max(conversion, sum(t.numel() * element for t in allocated))
         if quantiser is not None:
-            quantization = max(quantization, _quantization_bytes(quantiser, outputs, element))
+            quantization = max(quantization, _quantization_bytes(
+                quantiser, outputs, element, DTYPE_BYTES[generator_dtype]))
     largest = max(bucket.num_bytes for bucket in buckets)
     return SenderSyncMemory(num_buckets=len(buckets), largest_bucket=largest,
                             buffers=min(2, len(buckets)) * largest, gathered=gathered,
                             conversion=conversion, quantization=quantization)
 
 
-def _quantization_bytes(quantiser: Any, outputs: Mapping[str, Any], element: int) -> int:
-    """What quantising one group's HF tensors allocates at once, at most: Llama-4's per-expert
-    copies of its fused experts (in the params dtype), the fp8 weights and scales before they
-    are copied into the bucket, and the quantiser's float32 scratch of the largest piece
-    (`quantiser`: weight_sync/fp8.py SyncQuantiser)."""
+def _quantization_bytes(quantiser: Any, outputs: Mapping[str, Any], element: int,
+                        generator_element: int) -> int:
+    """What quantising one group's HF tensors allocates at once, at most (`quantiser`:
+    weight_sync/fp8.py SyncQuantiser). The sync quantises one piece at a time and copies it into
+    its bucket slot before the next is made (WeightSync._hf_tensors, SyncQuantiser.
+    iter_quantized), so the peak is one tensor's: its cast to the generators' dtype (when the
+    trainer's differs), plus the largest of its pieces: Llama-4's per-expert copy of a fused
+    expert tensor, the quantiser's float32 scratch, and the piece's fp8 weight and scale."""
     import torch
 
-    copies = results = scratch = 0
+    peak = 0
     for name, tensor in outputs.items():
         planned = quantiser.planned(name, tensor)
         if planned is None:
             continue
-        pieces = [t for t in planned.values() if t.dtype == torch.float8_e4m3fn]
-        if name not in planned:  # unfused per expert: new tensors
-            copies += sum(t.numel() for t in pieces) * element
-        results += sum(t.numel() * t.element_size() for t in planned.values())
-        scratch = max(scratch, *(_scratch_elements(quantiser.layout, t) for t in pieces))
-    return copies + results + QUANTISER_SCRATCH_BYTES_PER_ELEMENT * scratch
+        cast = tensor.numel() * generator_element if generator_element != element else 0
+        pieces = [(piece, planned[quantiser.layout.scale_name(piece_name)])
+                  for piece_name, piece in planned.items()
+                  if piece.dtype == torch.float8_e4m3fn]
+        largest = max(
+            (piece.numel() * generator_element if name not in planned else 0)  # unfused copy
+            + QUANTISER_SCRATCH_BYTES_PER_ELEMENT * _scratch_elements(quantiser.layout, piece)
+            + piece.numel() + scale.numel() * scale.element_size()
+            for piece, scale in pieces)
+        peak = max(peak, cast + largest)
+    return peak
 
 
 def _scratch_elements(layout: Any, piece: Any) -> int:

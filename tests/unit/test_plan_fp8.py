@@ -96,9 +96,18 @@ def test_sender_buckets_and_quantisation_scratch_by_hand():
     # (aligned 256) join its 256 B of column scratch and the 2 x 256 B of EP rank 1's experts.
     assert memory.gathered == 256 + 256 + 512
     assert memory.conversion == 768  # the stack, as in bf16
-    # The experts' group: 8 pieces of 48 bf16 elements copied (768 B), their fp8 and scales
-    # (416 B), and 12 B of float32 scratch per element of one piece (576 B).
-    assert memory.quantization == 768 + 416 + 12 * 48
+    # One piece at a time (the sync copies each into its slot before the next is made): the
+    # largest is o_proj whole, 64 elements: 12 B of float32 scratch each, its 64 B of fp8 and a
+    # 4 B scale; an expert piece is less (48 elements copied in bf16, 12 x 48 B of scratch, 48 B
+    # of fp8, a 4 B scale: 724 B). No cast: the trainer's dtype is the generators'.
+    assert memory.quantization == 12 * 64 + 64 + 4
+    fp32 = plan.sender_sync_memory(
+        TINY_MOE, TP2_EP2, _moe_mapping(), pp_rank=0, bucket_bytes=2**20,
+        params_dtype="float32", generator_dtype="bfloat16",
+        quantization_config={"quant_method": "fp8"})
+    # An fp32 trainer's stack of 4 experts x 2 x 48 is cast to bf16 first (384 elements, 768 B)
+    # and then unfused one piece at a time (724 B).
+    assert fp32.quantization == 768 + 724
     bf16 = plan.sender_sync_memory(TINY_MOE, TP2_EP2, _moe_mapping(), pp_rank=0,
                                    bucket_bytes=2**20, params_dtype="bfloat16",
                                    generator_dtype="bfloat16")
