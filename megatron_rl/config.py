@@ -273,8 +273,8 @@ def check_served_checkpoint(directory: str, *, name: str = "model.hf_checkpoint"
 
 # The families whose FP8 serving is checked against SGLang's FP8 loader: the weight sync's rule
 # of which tensors SGLang holds in FP8 (weight_sync/fp8.py fp8_quantized) is tested on llama4 and
-# qwen3_moe (tests/integration/test_fp8_sglang.py), and llama's projections are the same SGLang
-# layers (models/llama.py, which llama4.py builds on); served end to end in tests/e2e.
+# qwen3_moe (tests/integration/test_fp8_sglang.py); llama's projections are the same SGLang
+# layers (models/llama.py), served per-tensor end to end in tests/e2e/test_fp8_rollout.py.
 FP8_SERVED_FAMILIES = ("llama", "llama4", "qwen3_moe")
 
 
@@ -292,6 +292,11 @@ def fp8_serving_problem(family: str, hf_config: dict, block_size: int | None,
                 f"{', '.join(FP8_SERVED_FAMILIES)}); use rollout.precision=bf16")
     if block_size is None:
         return None
+    if family == "llama":
+        return (f"rollout.fp8_block_size: {block_size} cannot serve a llama model: SGLang "
+                "0.5.23's Llama loader renames `weight_scale_inv` to `weight_scale` "
+                "(models/llama.py LlamaForCausalLM._legacy_load_weights) and so drops block "
+                "scales; use rollout.fp8_block_size=null (per-tensor scales)")
     text = hf_config.get("text_config") or hf_config
     heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads") or \
         text["num_attention_heads"]
@@ -948,6 +953,14 @@ def _check_fp8_serving(cfg: "RunConfig") -> None:
     _require(cfg.rollout.fp8_block_size is not None or cfg.rollout.fp8_scale_fmt == "float32",
              "rollout.fp8_scale_fmt: ue8m0 (power-of-two) scales are block scales; set "
              "rollout.fp8_block_size (e.g. 128) or rollout.fp8_scale_fmt=float32")
+    # SGLang's Fp8Config.get_supported_act_dtypes: the model loader refuses float32 with fp8.
+    stored = (hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype")
+    served = stored if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    _require(served != "float32",
+             f"rollout.dtype: {cfg.rollout.dtype}"
+             + (f" (the checkpoint's {stored})" if cfg.rollout.dtype == "auto" else "")
+             + " cannot serve FP8: SGLang's FP8 layers compute in bfloat16 or float16; set "
+             "rollout.dtype=bfloat16")
     if cfg.model.name not in FP8_SERVED_FAMILIES or hf_config is not None:
         problem = fp8_serving_problem(cfg.model.name, hf_config or {}, cfg.rollout.fp8_block_size,
                                       cfg.rollout.tp_size)

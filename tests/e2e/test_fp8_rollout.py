@@ -1,20 +1,25 @@
 """FP8 rollout end to end (issue 40, acceptance 1): `megatron-rl train
-examples/configs/tiny_pipeline.yaml` with rollout.precision=fp8 and [16, 16] blocks (the tiny
-Llama's shards are multiples of 16), Pipeline-RL with in-flight updates (max_off_policyness 2),
-4 steps. The run writes the FP8 copy of the checkpoint the engine starts from
-(output_dir/served_fp8), SGLang's CPU engine serves it through its own FP8 loader and the CPU
-FP8 shim (platform/sglang_fp8_cpu.py), and the weight sync quantises every update in the same
-layout into the engine's FP8 parameters, in flight.
+examples/configs/tiny_pipeline.yaml` (the tiny dense Llama, trainer in fp32) with
+rollout.precision=fp8, Pipeline-RL with in-flight updates (max_off_policyness 2), 4 steps. The
+run writes the FP8 copy of the checkpoint the engine starts from (output_dir/served_fp8), SGLang's
+CPU engine serves it through its own FP8 loader and the CPU FP8 shim
+(platform/sglang_fp8_cpu.py), and the weight sync quantises every update in the same layout into
+the engine's FP8 parameters, in flight.
+
+Per-tensor scales (rollout.fp8_block_size=null): SGLang 0.5.23's Llama loader drops block scales
+(config.fp8_serving_problem says why; block layouts are served on the tiny Llama-4 in
+tests/integration/test_fp8_sglang.py). rollout.dtype=bfloat16: SGLang's FP8 layers take bf16
+activations only.
 
 What it shows, per step, from the run's TensorBoard: the trainer's fp32 log-probs against the
-generator's (train/logp_mismatch_mean / _max over the step's loss tokens). Served in fp32, that
-mismatch is ~1e-6 (tests/e2e/test_long_generation.py asserts < 1e-4 mean); served in FP8 it is
-the weights' quantisation error (e4m3: each weight within 2^-4 of itself relative, ~2.6 % in
-Frobenius norm), so here it must be clearly above the fp32 level (MIN_MEAN = 100x it) and below
-MAX_MEAN / MAX_MAX at every step, and stay level across the updates: a wrong scale, a tensor
-left stale or written into the wrong place by an in-flight update would show as a jump
-(JUMP: no step's mean more than 3x another's). Measured (the command and figures in
-docs/low_precision.md): see MEASURED below.
+generator's (train/logp_mismatch_mean / _max over the step's loss tokens). Served in fp32 that
+mismatch is ~1e-6 (tests/e2e/test_long_generation.py asserts < 1e-4 mean). Measured on 3 fixed
+sequences of this tiny model, engine against engine-in-fp32 (2-core CPU): served in bf16, mean
+0.0009 / max 0.0026; served in FP8 per-tensor, mean 0.0056 / max 0.0136. So each step's mean
+must be clearly above the bf16-served level (MIN_MEAN, 2x it) and below MAX_MEAN / MAX_MAX
+(about 10x / 35x the FP8 level: a wrong scale gives whole nats), and stay level across the
+updates: a wrong scale, a tensor left stale or written into the wrong place by an in-flight
+update would show as a jump (JUMP: no step's mean more than 3x another's).
 """
 import json
 import sys
@@ -27,9 +32,9 @@ from _checks import processes_left, run_train, scalars, tiny_llama_checkpoint  #
 
 pytestmark = [pytest.mark.e2e]
 
-MIN_MEAN = 1e-4  # 100x the fp32-served level (~1e-6)
-MAX_MEAN = 0.1
-MAX_MAX = 1.0
+MIN_MEAN = 2e-3
+MAX_MEAN = 0.05
+MAX_MAX = 0.5
 JUMP = 3.0
 NUM_STEPS = 4
 
@@ -39,7 +44,8 @@ def test_fp8_served_rollouts_with_in_flight_updates(tmp_path):
     out = tmp_path / "run"
     rc, stdout, stderr, driver_pid = run_train([
         "examples/configs/tiny_pipeline.yaml", f"output_dir={out}",
-        f"model.hf_checkpoint={model}", "rollout.precision=fp8", "rollout.fp8_block_size=16",
+        f"model.hf_checkpoint={model}", "rollout.precision=fp8", "rollout.fp8_block_size=null",
+        "rollout.dtype=bfloat16",
         f"train.num_steps={NUM_STEPS}", "eval.at_step_zero=false", "eval.interval_steps=0",
         "checkpoint.interval_steps=0", "logging.progress_bar=false",
         # The random policy solves nothing: keep the zero-variance groups, so every step trains.
@@ -50,8 +56,7 @@ def test_fp8_served_rollouts_with_in_flight_updates(tmp_path):
     served = out / "served_fp8"
     config = json.loads((served / "config.json").read_text())
     assert config["quantization_config"] == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": [16, 16]}
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
     log = (out / "generator-0.log").read_text()
     assert f"'model_path': '{served}'" in log and "quant=fp8, fmt=e4m3" in log
 

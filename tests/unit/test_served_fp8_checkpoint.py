@@ -145,6 +145,9 @@ def test_fp8_serving_problem_names_a_block_that_fits():
     # TP 2 halves the shards: k/v 16 per rank, experts 16 -> only 16 fits.
     assert "rollout.fp8_block_size=16 or" in fp8_serving_problem("llama4", TINY_LLAMA4, 32, 2)
     assert "not available for model family 'mamba'" in fp8_serving_problem("mamba", {}, 128, 1)
+    # SGLang's Llama loader drops block scales (renames weight_scale_inv): per-tensor only.
+    assert "drops block scales" in fp8_serving_problem("llama", {}, 16, 1)
+    assert fp8_serving_problem("llama", {}, None, 1) is None
 
 
 def test_config_refuses_fp8_where_it_cannot_serve_before_anything_starts(tmp_path):
@@ -162,6 +165,14 @@ def test_config_refuses_fp8_where_it_cannot_serve_before_anything_starts(tmp_pat
                            "rollout.fp8_scale_fmt=ue8m0"])
     load_config(None, ["model.name=llama4", tiny, "rollout.precision=fp8",
                        "rollout.fp8_block_size=16"])
+    # SGLang's FP8 layers take bf16 / fp16 activations only (Fp8Config).
+    with pytest.raises(ConfigError, match="rollout.dtype: float32 cannot serve FP8"):
+        load_config(None, ["model.name=llama4", tiny, "rollout.precision=fp8",
+                           "rollout.fp8_block_size=16", "rollout.dtype=float32"])
+    fp32 = checkpoint("fp32", **TINY_LLAMA4, torch_dtype="float32")
+    with pytest.raises(ConfigError, match="rollout.dtype: auto .the checkpoint's float32."):
+        load_config(None, ["model.name=llama4", fp32, "rollout.precision=fp8",
+                           "rollout.fp8_block_size=16"])
     # Scout (head_dim 128, shards multiples of 128 at TP 8): the default layout serves it.
     scout = checkpoint("scout", model_type="llama4_text", num_attention_heads=40,
                        num_key_value_heads=8, head_dim=128, hidden_size=5120,
