@@ -53,7 +53,7 @@ def test_fp8_served_rollouts_with_in_flight_updates(tmp_path):
     assert rc == 0, stdout[-4000:] + stderr[-4000:]
 
     # The engine served the run's FP8 copy, loaded by SGLang as an FP8 checkpoint.
-    served = out / "served_fp8"
+    served = (out / "served_fp8").resolve()
     config = json.loads((served / "config.json").read_text())
     assert config["quantization_config"] == {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
