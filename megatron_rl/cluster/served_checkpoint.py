@@ -123,6 +123,11 @@ class _Quantiser:
                     continue
                 pieces = {name: tensor}
                 if name.rpartition(".")[2] != "weight":  # Llama-4's fused experts
+                    if not self.llama4:
+                        raise ValueError(f"{source.name}: {name} is a fused expert tensor of "
+                                         "a model that is not Llama-4; only Llama-4's fused "
+                                         "layout is known here (others store experts one by "
+                                         "one: `experts.{e}.gate_proj.weight`)")
                     pieces = self.fp8.unfuse_llama4_experts(name, tensor)
                 for piece_name, piece in pieces.items():
                     out.update(self.fp8.quantize_named(piece_name, piece, self.layout))
