@@ -942,14 +942,14 @@ class LoggingConfig:
 
 def _check_fp8_serving(cfg: "RunConfig") -> None:
     """rollout.precision=fp8 refused at config load where it cannot work (fp8_serving_problem),
-    on the model's config.json (model.hf_checkpoint) or else its registered size."""
+    on the model's config.json (model.hf_checkpoint, which `megatron-rl train` needs and the
+    served FP8 copy is made from). Without one (plan, cost) the shard sizes are not checked:
+    the registry's configs live in the family packages, which import Megatron."""
     hf_config = None
     if cfg.model.hf_checkpoint is not None:
         path = Path(cfg.model.hf_checkpoint) / "config.json"
         if path.is_file():
             hf_config = json.loads(path.read_text())
-    elif (get_model_family := _model_registry()) is not None:
-        hf_config = get_model_family(cfg.model.name).hf_config(cfg.model.size)
     _require(cfg.rollout.fp8_block_size is not None or cfg.rollout.fp8_scale_fmt == "float32",
              "rollout.fp8_scale_fmt: ue8m0 (power-of-two) scales are block scales; set "
              "rollout.fp8_block_size (e.g. 128) or rollout.fp8_scale_fmt=float32")

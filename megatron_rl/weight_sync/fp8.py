@@ -6,7 +6,8 @@ output in sync.py `_convert`): `quantize_named` turns one `<module>.weight` into
 plus its scale tensor, named and shaped as an FP8 checkpoint on disk is, so SGLang's own FP8 weight
 loader takes them unchanged (it narrows both per TP rank). `fp8_quantized` says, from the served
 config's `quantization_config`, which HF tensors SGLang holds in FP8; everything else is sent as
-it is. Not yet called by the sync (issue 40 items 1, 3, 5: docs/low_precision.md).
+it is. `served_quantization_config` is the served config's `quantization_config` for a run's
+rollout settings; `SyncQuantiser` is what the sync (plan.py, sync.py) applies per HF tensor.
 
 Layouts (SGLang 0.5.23, srt/layers/quantization/fp8.py):
 - block-wise (`weight_block_size` [128, 128]): `Fp8LinearMethod.create_fp8_weight_` registers a
@@ -179,12 +180,20 @@ def unfuse_llama4_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Te
         raise ValueError(f"{name!r} {tuple(tensor.shape)} is not a Llama-4 fused expert tensor "
                          "(`...experts.gate_up_proj` [E, H, 2I] or `...experts.down_proj` "
                          "[E, I, H])")
+    return dict(iter_unfused_llama4_experts(name, tensor))
+
+
+def iter_unfused_llama4_experts(name: str, tensor: torch.Tensor):
+    """`unfuse_llama4_experts` one (name, tensor) at a time: each per-expert copy is made when
+    it is asked for, so the sync holds one at a time besides the fused tensor."""
+    base, _, leaf = name.rpartition(".")
     if leaf == "down_proj":
-        return {f"{base}.{e}.down_proj.weight": expert.T.contiguous()
-                for e, expert in enumerate(tensor)}
-    return {f"{base}.{e}.{proj}.weight": half.T.contiguous()
-            for e, expert in enumerate(tensor)
-            for proj, half in zip(("gate_proj", "up_proj"), expert.chunk(2, dim=-1))}
+        for e, expert in enumerate(tensor):
+            yield f"{base}.{e}.down_proj.weight", expert.T.contiguous()
+        return
+    for e, expert in enumerate(tensor):
+        for proj, half in zip(("gate_proj", "up_proj"), expert.chunk(2, dim=-1)):
+            yield f"{base}.{e}.{proj}.weight", half.T.contiguous()
 
 
 def check_llama4_block_rows(layout: Fp8Layout, head_dim: int) -> None:
@@ -235,6 +244,88 @@ def fp8_quantized(quantization_config: Mapping, param_names: Iterable[str]) -> s
         if (projection or fused_experts) and not _skipped(_sglang_prefix(module), ignored):
             quantised.add(name)
     return quantised
+
+
+def served_quantization_config(rollout) -> dict | None:
+    """The `quantization_config` of the config.json FP8-serving generators load, from a run's
+    rollout settings (megatron_rl.config RolloutConfig, or anything with its `precision`,
+    `fp8_block_size` and `fp8_scale_fmt`); None for bf16 (no quantisation). The keys are the ones
+    SGLang's Fp8Config.from_config reads (quant_method, activation_scheme, weight_block_size,
+    scale_fmt; `fmt` is the HF checkpoints' record of e4m3). One builder for the served
+    checkpoint and the sync, so the two cannot disagree on the layout."""
+    if rollout.precision == "bf16":
+        return None
+    if rollout.precision != "fp8":
+        raise ValueError(f"rollout.precision {rollout.precision!r}: choose bf16 or fp8")
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if rollout.fp8_block_size is not None:
+        config["weight_block_size"] = [rollout.fp8_block_size, rollout.fp8_block_size]
+    if rollout.fp8_scale_fmt == "ue8m0":
+        if rollout.fp8_block_size is None:
+            raise ValueError("rollout.fp8_scale_fmt: ue8m0 (power-of-two) scales are block "
+                             "scales; set rollout.fp8_block_size (e.g. 128) or "
+                             "rollout.fp8_scale_fmt=float32 for per-tensor scales")
+        config["scale_fmt"] = "ue8m0"
+    return config
+
+
+class SyncQuantiser:
+    """The weight sync's FP8 step for one served model, applied after the gather and the HF
+    conversion to each HF tensor `to_hf` produces: a tensor SGLang holds in FP8
+    (`fp8_quantized` over the names the sync sends) is replaced by its fp8 weight and scale
+    (Llama-4's fused experts unfused per expert first); None for everything else, which is sent
+    as it is. `planned` gives the same names, dtypes and shapes on meta tensors, which the
+    bucket plan is made of; `quantize` the tensors. `head_dim` (the trainer's kv_channels) is
+    checked against the block rows when the model is Llama-4 (its fused expert tensors exist in
+    no other family's HF layout)."""
+
+    def __init__(self, quantization_config: Mapping, hf_names: Iterable[str], *,
+                 head_dim: int | None = None):
+        hf_names = list(hf_names)
+        self.layout = Fp8Layout.from_quantization_config(quantization_config)
+        self.quantised = frozenset(fp8_quantized(quantization_config, hf_names))
+        if head_dim is not None and any(_is_llama4_fused_experts(n) for n in hf_names):
+            check_llama4_block_rows(self.layout, head_dim)
+
+    def planned(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """What `quantize(name, tensor)` returns, as meta tensors (name -> dtype, shape)."""
+        if name not in self.quantised:
+            return None
+        pieces = unfuse_llama4_experts(name, tensor) if _is_llama4_fused_experts(name) \
+            else {name: tensor}
+        out = {}
+        for piece_name, piece in pieces.items():
+            *batch, rows, cols = piece.shape
+            if self.layout.weight_block_size is None:
+                scale_shape = ()
+            else:
+                block_rows, block_cols = self.layout.weight_block_size
+                scale_shape = (*batch, -(-rows // block_rows), -(-cols // block_cols))
+            out[piece_name] = torch.empty(piece.shape, dtype=FP8_DTYPE, device="meta")
+            out[self.layout.scale_name(piece_name)] = torch.empty(
+                scale_shape, dtype=torch.float32, device="meta")
+        return out
+
+    def quantize(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """{HF name: fp8 weight or its scale} sent in place of `name`; None: send it as it is."""
+        if name not in self.quantised:
+            return None
+        return dict(self.iter_quantized(name, tensor))
+
+    def iter_quantized(self, name: str, tensor: torch.Tensor):
+        """`quantize(name, tensor)` one (HF name, tensor) at a time, each piece quantised when
+        asked for: the sync copies each into its bucket slot before the next is made (Scout's
+        fused expert stack is 2.7 GB in bf16; its quantised pieces together would be half that
+        again)."""
+        unfused = iter_unfused_llama4_experts(name, tensor) \
+            if _is_llama4_fused_experts(name) else [(name, tensor)]
+        for piece_name, piece in unfused:
+            yield from quantize_named(piece_name, piece, self.layout).items()
+
+
+def _is_llama4_fused_experts(name: str) -> bool:
+    base, _, leaf = name.rpartition(".")
+    return base.endswith(".experts") and leaf in LLAMA4_FUSED_EXPERT_TENSORS
 
 
 def _sglang_prefix(module: str) -> str:

@@ -10,6 +10,11 @@ A bucket holds whole groups up to `bucket_bytes` (a larger group travels alone).
 the tensors are ordered by decreasing item size, so every tensor's byte offset is a multiple of its
 item size (what SGLang's flattened-bucket receiver needs) with no padding, and one bucket can mix
 dtypes.
+
+For FP8-serving generators (`quantiser`: fp8.py SyncQuantiser) a tensor SGLang holds in FP8 is
+planned as its fp8 weight (one byte an element) and float32 scale under their HF names (Llama-4's
+fused experts as per-expert tensors); those are never gathered in place (the quantiser reads the
+gathered tensor and writes other bytes), everything else is planned as before.
 """
 from __future__ import annotations
 
@@ -33,6 +38,11 @@ class PlannedBucket:
         return self.offsets[-1] + self.specs[-1].num_bytes if self.specs else 0
 
     @property
+    def num_quantized(self) -> int:
+        """FP8 weights in this bucket (each beside its scale)."""
+        return sum(spec.dtype == torch.float8_e4m3fn for spec in self.specs)
+
+    @property
     def megatron_names(self) -> list[str]:
         return [name for group in self.groups for name in group.megatron_names]
 
@@ -44,10 +54,12 @@ class PlannedBucket:
 
 def plan_buckets(groups: Sequence, meta: Callable[[str], torch.Tensor], *, bucket_bytes: int,
                  dtype: torch.dtype | None = None,
-                 can_fill: Callable[[str], bool] = lambda name: True) -> list[PlannedBucket]:
+                 can_fill: Callable[[str], bool] = lambda name: True,
+                 quantiser=None) -> list[PlannedBucket]:
     """Buckets for `groups`; `meta(megatron_name)` is the full tensor as a meta tensor, `dtype`
     the generators' dtype (None: keep the trainer's), `can_fill(megatron_name)` whether the
-    gatherer can assemble that tensor in a caller's buffer."""
+    gatherer can assemble that tensor in a caller's buffer, `quantiser` (fp8.SyncQuantiser or
+    None) what replaces the tensors the generators hold in FP8."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     buckets, pending, pending_bytes = [], [], 0
@@ -56,6 +68,11 @@ def plan_buckets(groups: Sequence, meta: Callable[[str], torch.Tensor], *, bucke
         outputs = group.to_hf(inputs)
         specs, in_place = [], {}
         for hf_name, tensor in outputs.items():
+            quantized = quantiser.planned(hf_name, tensor) if quantiser is not None else None
+            if quantized is not None:
+                specs += [TensorSpec(name=name, dtype=t.dtype, shape=tuple(t.shape))
+                          for name, t in quantized.items()]
+                continue
             out_dtype = dtype or tensor.dtype
             specs.append(TensorSpec(name=hf_name, dtype=out_dtype, shape=tuple(tensor.shape)))
             source = next((m for m, t in inputs.items() if t is tensor), None)

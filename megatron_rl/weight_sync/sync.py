@@ -7,7 +7,9 @@ pipeline stage sends the mapping groups whose Megatron tensors it holds, through
 (its lowest rank). At construction the sync is planned (plan.py): every bucket's groups and byte
 layout. Per bucket the stage's shard holders send their shards to the sender (gather.py), which
 converts them to HF names and layouts (`WeightGroup.to_hf`, casting to the generators' dtype)
-straight into the bucket's bytes; a background thread moves each full bucket (transport.py) while
+straight into the bucket's bytes (for FP8-serving generators the tensors they hold in FP8 are
+quantised there, fp8.py `SyncQuantiser`: fp8 weight plus float32 scale under their HF names, the
+rest sent as it is); a background thread moves each full bucket (transport.py) while
 the sender gathers and converts the next one into a second buffer. Buckets, scratch memory and
 the weight-update group are reused from sync to sync; bucket buffers are not where the transport
 shares their memory with the generators (colocated tensors: the engine may still be reading a
@@ -49,6 +51,7 @@ from megatron_rl.platform import collective_device
 from megatron_rl.rollout.generator import Generator
 from megatron_rl.rollout.types import GeneratorDeadError, GeneratorError
 from megatron_rl.weight_sync.buckets import Bucket
+from megatron_rl.weight_sync.fp8 import SyncQuantiser
 from megatron_rl.weight_sync.gather import Arena, StageGatherer, WeightSyncGroups
 from megatron_rl.weight_sync.plan import PlannedBucket, plan_buckets
 from megatron_rl.weight_sync.transport import (BucketTurns, DiskTransport, DistributedTransport,
@@ -78,6 +81,9 @@ class WeightSyncSettings:
     update_attempts: int = 3
     disk_dir: str | None = None  # disk transport: where the HF folder is written
     hf_config_dir: str | None = None  # disk transport: config.json and tokenizer to copy
+    # The served config's quantization_config (fp8.served_quantization_config) when the
+    # generators serve FP8: the sync quantises what they hold in FP8. None: nothing quantised.
+    quantization_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -99,8 +105,11 @@ class WeightSyncSettings:
     def from_run_config(cls, run, *, hf_config_dir: str | None = None,
                         **fields) -> "WeightSyncSettings":
         """From megatron_rl.config's RunConfig: its weight_sync section, and rollout.dtype as
-        the generators' dtype (auto: the trainer's). `hf_config_dir` (the HF checkpoint the
-        generators started from) is needed by the disk transport."""
+        the generators' dtype (auto: the trainer's), rollout.precision / fp8_* as the served
+        quantization_config. `hf_config_dir` (the HF checkpoint the generators started from) is
+        needed by the disk transport."""
+        from megatron_rl.weight_sync.fp8 import served_quantization_config
+
         section = run.weight_sync
         dtype = None if run.rollout.dtype == "auto" else getattr(torch, run.rollout.dtype)
         disk_dir = section.disk_dir or os.path.join(run.output_dir, "weight_sync")
@@ -108,7 +117,8 @@ class WeightSyncSettings:
                    dtype=dtype, pause_mode=None if section.pause_mode == "none"
                    else section.pause_mode, timeout_s=section.timeout_s,
                    update_attempts=section.update_attempts, disk_dir=disk_dir if section.transport == "disk" else None,
-                   hf_config_dir=hf_config_dir, **fields)
+                   hf_config_dir=hf_config_dir,
+                   quantization_config=served_quantization_config(run.rollout), **fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,6 +143,8 @@ class SyncReport:
     # Coordinator: from the first pause request to the last continue (0 when not paused): the
     # time the generators' running requests made no progress because of this update.
     paused_s: float = 0.0
+    num_quantized: int = 0  # FP8 weights sent (each with its scale; 0 unless serving FP8)
+    quantize_s: float = 0.0  # of convert_s: quantising to FP8
 
     @property
     def bytes_per_s(self) -> float:
@@ -148,7 +160,8 @@ class SyncReport:
             ("convert_s", self.convert_s), ("transfer_s", self.transfer_s),
             ("load_s", self.load_s), ("control_s", self.control_s),
             ("cache_flushed", self.cache_flushed), ("attempts", self.attempts),
-            ("paused_s", self.paused_s))}
+            ("paused_s", self.paused_s), ("bytes", self.num_bytes),
+            ("quantized_tensors", self.num_quantized), ("quantize_s", self.quantize_s))}
 
 
 def sender_port(settings: WeightSyncSettings, groups: WeightSyncGroups, *, name: str,
@@ -175,6 +188,8 @@ def sender_port(settings: WeightSyncSettings, groups: WeightSyncGroups, *, name:
 class WeightSync:
     """See the module docstring. `model` is this rank's (DDP / Float16Module wrapped) chunk."""
 
+    quantiser: SyncQuantiser | None = None  # FP8-serving generators (set in __init__)
+
     def __init__(self, model, mapping: Sequence, generators: Sequence[Generator],
                  settings: WeightSyncSettings = WeightSyncSettings(), *,
                  groups: WeightSyncGroups | None = None, hf_vocab_size: int | None = None):
@@ -188,9 +203,13 @@ class WeightSync:
                                       gated_linear_unit=bool(gpt.config.gated_linear_unit),
                                       vocab_size=hf_vocab_size)
         self.mapping = self._stage_mapping(list(mapping))
+        self.quantiser = None if settings.quantization_config is None else SyncQuantiser(
+            settings.quantization_config,
+            [name for group in self.mapping for name in group.hf_names],
+            head_dim=gpt.config.kv_channels)
         self.plan: list[PlannedBucket] = plan_buckets(
             self.mapping, self.gatherer.meta, bucket_bytes=settings.bucket_bytes,
-            dtype=settings.dtype, can_fill=self.gatherer.can_fill)
+            dtype=settings.dtype, can_fill=self.gatherer.can_fill, quantiser=self.quantiser)
         self.arena = Arena(self.gatherer.device)
         self._buffers: list[torch.Tensor] = []  # the sender's bucket buffers, kept between syncs
         self.version = 0
@@ -330,7 +349,8 @@ class WeightSync:
                           transfer_s=counts.transfer_s + times.transfer,
                           load_s=counts.load_s + times.load, control_s=counts.control_s,
                           cache_flushed=flushed, attempts=counts.attempts,
-                          paused_s=control.paused_s if control is not None else 0.0)
+                          paused_s=control.paused_s if control is not None else 0.0,
+                          num_quantized=counts.num_quantized, quantize_s=counts.quantize_s)
 
     def _load(self, version: int, counts: "_Counts") -> tuple[list[str], bool]:
         """Send every stage's buckets, up to `update_attempts` times; each retry runs over a
@@ -340,6 +360,7 @@ class WeightSync:
         for attempt in range(self.settings.update_attempts):
             counts.attempts = attempt + 1
             counts.num_bytes = counts.num_tensors = counts.num_buckets = 0
+            counts.num_quantized = 0
             if attempt:
                 self._rebuild_transport(counts)
             error = None
@@ -374,16 +395,15 @@ class WeightSync:
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights as the generators receive them ({HF name: tensor}, the
-        generators' dtype) on the sender, {} elsewhere; every rank of the stage calls it."""
+        generators' dtype; fp8 weights and their scales where they serve FP8) on the sender, {}
+        elsewhere; every rank of the stage calls it."""
         state = {}
         for bucket in self.plan:
             full = self.gatherer.gather(bucket.megatron_names, arena=self.arena)
             if self.groups.is_sender:
-                for group in bucket.groups:
-                    for name, tensor in group.to_hf(
-                            {n: full[n] for n in group.megatron_names}).items():
-                        state[name] = tensor.to(self.settings.dtype or tensor.dtype,
-                                                copy=True).contiguous()
+                for name, tensor, quantized in self._hf_tensors(bucket, full):
+                    dtype = tensor.dtype if quantized else self.settings.dtype or tensor.dtype
+                    state[name] = tensor.to(dtype, copy=True).contiguous()
             self.arena.reset()
         return state
 
@@ -414,8 +434,9 @@ class WeightSync:
                 # convert and send nothing more.
                 if pipeline.error is None and convert_error is None:
                     try:
-                        self._convert(bucket, full, slots)
+                        self._convert(bucket, full, slots, counts)
                         counts.num_tensors += len(bucket.specs)
+                        counts.num_quantized += bucket.num_quantized
                     except Exception as exc:  # noqa: BLE001 (agreed on by all ranks)
                         convert_error = exc
                 self.arena.reset()
@@ -428,15 +449,45 @@ class WeightSync:
             send_error = pipeline.close() if pipeline is not None else None
         return convert_error or send_error
 
-    @staticmethod
-    def _convert(bucket: PlannedBucket, full: dict[str, torch.Tensor],
-                 slots: dict[str, torch.Tensor]) -> None:
-        """HF names and layouts (and the generators' dtype) into the bucket's slots; tensors
-        gathered in place are there already."""
+    def _convert(self, bucket: PlannedBucket, full: dict[str, torch.Tensor],
+                 slots: dict[str, torch.Tensor], counts: "_Counts") -> None:
+        """HF names and layouts (and the generators' dtype, or FP8) into the bucket's slots;
+        tensors gathered in place are there already."""
+        for name, tensor, _ in self._hf_tensors(bucket, full, counts):
+            if name in bucket.in_place:
+                continue
+            slot = slots[name]
+            if slot.shape != tensor.shape or (tensor.dtype != slot.dtype and (
+                    slot.dtype == torch.float8_e4m3fn or tensor.dtype == torch.float8_e4m3fn)):
+                # copy_ would broadcast a shape or round into fp8: a plan / quantiser mismatch.
+                raise RuntimeError(f"weight sync: {name} is {tensor.dtype} {tuple(tensor.shape)}"
+                                   f" but was planned as {slot.dtype} {tuple(slot.shape)}")
+            slot.copy_(tensor)
+
+    def _hf_tensors(self, bucket: PlannedBucket, full: dict[str, torch.Tensor],
+                    counts: "_Counts | None" = None):
+        """(HF name, tensor, quantised) for the generators: `to_hf`'s output, quantised to FP8
+        (weight and scale) where they hold it in FP8, else as it is: the caller casts those to
+        the generators' dtype (`_convert` while copying into the bucket, without a temporary)."""
+        dtype = self.settings.dtype
         for group in bucket.groups:
             for name, tensor in group.to_hf({n: full[n] for n in group.megatron_names}).items():
-                if name not in bucket.in_place:
-                    slots[name].copy_(tensor)
+                if self.quantiser is None or name not in self.quantiser.quantised:
+                    yield name, tensor, False
+                    continue
+                # Quantise what the generators would hold in their dtype (SGLang's online FP8
+                # quantises its bf16 weights; a served FP8 checkpoint is made from the bf16 one),
+                # so version 0 sent equals the checkpoint served. One piece at a time: each is
+                # copied into its slot before the next is made.
+                pieces = self.quantiser.iter_quantized(name, tensor.to(dtype or tensor.dtype))
+                while True:
+                    tick = time.perf_counter()
+                    piece = next(pieces, None)
+                    if counts is not None:
+                        counts.quantize_s += time.perf_counter() - tick
+                    if piece is None:
+                        break
+                    yield (*piece, True)
 
     def _bucket_buffers(self) -> list[torch.Tensor]:
         """Two buffers of the largest bucket (one is filled while the other is sent), kept from
@@ -503,6 +554,8 @@ class _Counts:
     transfer_s: float = 0.0  # of transports dropped after a failed attempt
     load_s: float = 0.0
     control_s: float = 0.0
+    num_quantized: int = 0
+    quantize_s: float = 0.0
 
 
 class _SendPipeline:

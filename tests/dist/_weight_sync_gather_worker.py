@@ -8,6 +8,9 @@ buffers are reused) sends them to an in-process recording generator on each stag
 `hf_state_dict()` is collected too. Rank 0 writes, per layout, what the senders received: names,
 the largest difference from the reference, bytes and buckets; and what each sender's sync keeps
 allocated after it (bucket buffers, the scratch arena), which the memory planner predicts.
+The FP8 layout (TP2 x EP2 x PP2 + SP, generators serving FP8 with [16, 16] blocks, bf16 as
+their dtype) is compared bit for bit with the quantiser applied to the single-rank reference
+(fp8.py's rule, unfuse and quantize_named, not the sync's SyncQuantiser).
 """
 from __future__ import annotations
 
@@ -101,6 +104,42 @@ def compare(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) 
             "shapes_ok": shapes_ok}
 
 
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [16, 16]}  # blocks of whole heads (head_dim 16)
+
+
+def fp8_reference(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What FP8-serving generators should receive: the quantiser applied to the single-rank
+    reference in bf16 (the generators' dtype), Llama-4's fused experts per expert."""
+    from megatron_rl.weight_sync import fp8
+
+    layout = fp8.Fp8Layout.from_quantization_config(FP8_CONFIG)
+    quantised = fp8.fp8_quantized(FP8_CONFIG, reference)
+    out = {}
+    for name, tensor in reference.items():
+        tensor = tensor.bfloat16()
+        if name not in quantised:
+            out[name] = tensor
+            continue
+        pieces = fp8.unfuse_llama4_experts(name, tensor) if not name.endswith(".weight") \
+            else {name: tensor}
+        for piece_name, piece in pieces.items():
+            out.update(fp8.quantize_named(piece_name, piece, layout))
+    return out
+
+
+def compare_bits(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict:
+    def bits(t):
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    mismatched = [k for k in state if k not in reference or state[k].dtype != reference[k].dtype
+                  or state[k].shape != reference[k].shape
+                  or not torch.equal(bits(state[k]), bits(reference[k]))]
+    return {"names": sorted(state), "mismatched": mismatched,
+            "num_fp8": sum(t.dtype == torch.float8_e4m3fn for t in state.values()),
+            "num_bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
 def gather_to_rank0(item) -> list:
     items = [None] * dist.get_world_size()
     dist.all_gather_object(items, item)
@@ -108,7 +147,8 @@ def gather_to_rank0(item) -> list:
 
 
 def run_layout(name: str, layout: ParallelLayout, init_dir: str | None, groups, hf,
-               reference: dict, dtype: torch.dtype | None = None) -> dict:
+               reference: dict, dtype: torch.dtype | None = None,
+               quantization_config: dict | None = None) -> dict:
     from megatron_rl.weight_sync import WeightSync, WeightSyncSettings
 
     trainer = build(layout)
@@ -116,7 +156,8 @@ def run_layout(name: str, layout: ParallelLayout, init_dir: str | None, groups, 
         trainer.load_checkpoint(init_dir, load_optimizer=False)
     generator = RecordingGenerator()
     sync = WeightSync(trainer.model, groups, [generator], WeightSyncSettings(
-        transport="tensor", bucket_bytes=BUCKET_BYTES, dtype=dtype, pause_mode="in_place"),
+        transport="tensor", bucket_bytes=BUCKET_BYTES, dtype=dtype, pause_mode="in_place",
+        quantization_config=quantization_config),
         hf_vocab_size=hf.vocab_size)
     report = sync.sync()
     # Before hf_state_dict(), which gathers everything into the arena (no bucket slots). The
@@ -128,10 +169,12 @@ def run_layout(name: str, layout: ParallelLayout, init_dir: str | None, groups, 
             "gathered": sync.arena.capacity}
     state = sync.hf_state_dict()
     sender = sync.groups.is_sender
+    compared = compare if quantization_config is None else compare_bits
     mine = {
         "rank": dist.get_rank(), "sender": sender, "pp_rank": sync.groups.pp_rank,
-        "received": compare(generator.received, reference) if sender else None,
-        "hf_state_dict": compare(state, reference) if sender else None,
+        "received": compared(generator.received, reference) if sender else None,
+        "hf_state_dict": compared(state, reference) if sender else None,
+        "num_quantized": report.num_quantized, "quantize_s": report.quantize_s,
         "num_bytes": report.num_bytes, "num_buckets": report.num_buckets,
         "version": report.version, "calls": generator.calls,
         "planned_bytes": sum(b.num_bytes for b in sync.plan),
@@ -164,6 +207,12 @@ def main() -> None:
     out["layouts"]["tp2_ep2_pp2_sp_bf16"] = run_layout(
         "tp2_ep2_pp2_sp_bf16", LAYOUTS["tp2_ep2_pp2_sp"], init_dir, groups, hf, reference,
         dtype=torch.bfloat16)
+    reference_fp8 = fp8_reference(reference)
+    out["reference_fp8_names"] = sorted(reference_fp8)
+    out["reference_fp8_bytes"] = sum(t.numel() * t.element_size() for t in reference_fp8.values())
+    out["layouts"]["tp2_ep2_pp2_sp_fp8"] = run_layout(
+        "tp2_ep2_pp2_sp_fp8", LAYOUTS["tp2_ep2_pp2_sp"], init_dir, groups, hf, reference_fp8,
+        dtype=torch.bfloat16, quantization_config=FP8_CONFIG)
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(out, f)

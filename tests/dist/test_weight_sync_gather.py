@@ -7,7 +7,9 @@ tensor transport, ~a dozen small buckets, a fresh buffer per bucket) must delive
 exactly once, bit-exact, in its HF shape; with dtype=bf16 every tensor arrives as the rounded
 reference. Only senders send; the coordinator (rank 0) wraps the update in pause / begin / end /
 flush / resume. And without any checkpoint, a TP2 trainer initialised from the same seed holds
-exactly the TP1 weights (on CPU every TP rank once drew the same shard). What each sender keeps
+exactly the TP1 weights (on CPU every TP rank once drew the same shard). With generators serving
+FP8 (TP2 x EP2 x PP2 + SP), the tensors sent, quantised after the gather, are bit-identical to
+the quantiser applied to the single-rank HF tensors. What each sender keeps
 allocated after a sync (two bucket buffers, the scratch arena of gathered tensors) is what the
 memory planner predicts (megatron_rl/scaling/plan.py `sender_sync_memory`). See
 tests/dist/_weight_sync_gather_worker.py.
@@ -60,6 +62,29 @@ def test_every_hf_tensor_arrives_once_and_exact(result, layout):
     calls = ranks[0]["calls"]
     assert calls[:3] == ["health", "pause", "begin"] and calls[-3:] == ["end", "flush", "resume"]
     assert set(calls[3:-3]) == {"tensors"}
+
+
+def test_fp8_tensors_sent_equal_the_quantised_single_rank_tensors(result):
+    """Issue 40: quantised on each stage's sender after the TP / EP gather and the HF
+    conversion, bit for bit what quantize_named makes of the single-rank model's HF tensors
+    (Llama-4's fused experts per expert, with their scales); everything else as bf16."""
+    senders = [r for r in result["layouts"]["tp2_ep2_pp2_sp_fp8"]["ranks"] if r["sender"]]
+    assert len(senders) == 2
+    received = []
+    for sender in senders:
+        for got in (sender["received"], sender["hf_state_dict"]):
+            assert got["mismatched"] == [], (sender["rank"], got["mismatched"][:5])
+        assert sender["received"]["names"] == sender["hf_state_dict"]["names"]
+        # The report counts the fp8 weights sent and the bytes (fp8 1, scales 4, bf16 2).
+        assert sender["num_quantized"] == sender["received"]["num_fp8"] > 0
+        assert sender["num_bytes"] == sender["planned_bytes"] == sender["received"]["num_bytes"]
+        assert sender["quantize_s"] > 0
+        received += sender["received"]["names"]
+    assert sorted(received) == result["reference_fp8_names"]
+    # 4 layers x (q, k, v, o, shared gate / up / down, 4 experts x gate / up / down) = 76.
+    assert sum(s["num_quantized"] for s in senders) == 76
+    assert sum(s["num_bytes"] for s in senders) == result["reference_fp8_bytes"]
+    assert result["reference_fp8_bytes"] < result["reference_bytes"] // 2  # vs bf16
 
 
 @pytest.mark.parametrize("layout", FP32_LAYOUTS + ("tp2_ep2_pp2_sp_bf16",))

@@ -130,20 +130,12 @@ def hf_shape(name, params):
     return tuple(params[name].shape)
 def _rows(tensor):  # a per-tensor scale (0-dim) takes one slot of the fused parameter
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
-for label, qc in (("block", {"weight_block_size": [16, 16]}), ("per_tensor", {})):
-    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", **qc}
-    layout = fp8.Fp8Layout.from_quantization_config(qc)
-    model = Qwen3MoeForCausalLM(hf_cfg, quant_config=Fp8Config.from_config(qc))
-    params = dict(model.named_parameters())
-    generator = torch.Generator().manual_seed(0)
-    quantised = fp8.fp8_quantized(qc, names)
-    sent = {}
-    for name in names:
-        tensor = (torch.randn(hf_shape(name, params), generator=generator) * 0.05).bfloat16()
-        sent.update(fp8.quantize_named(name, tensor, layout) if name in quantised
-                    else {name: tensor})
-    model.load_weights(list(sent.items()))
-    bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+def bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def mismatched_params(params, sent, layout):
+    """The Qwen3-MoE parameters not holding exactly the tensors `sent` (after load_weights)."""
     scale_suffix = "weight_scale_inv" if layout.weight_block_size else "weight_scale"
     mismatched = []
     for pname, param in params.items():
@@ -167,8 +159,100 @@ for label, qc in (("block", {"weight_block_size": [16, 16]}), ("per_tensor", {})
         if expected is None or expected.dtype != param.dtype or not torch.equal(
                 bits(param.data), bits(expected)):
             mismatched.append(pname)
-    out[f"load_{label}_mismatched"] = mismatched
+    return mismatched
+
+
+for label, qc in (("block", {"weight_block_size": [16, 16]}), ("per_tensor", {})):
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", **qc}
+    layout = fp8.Fp8Layout.from_quantization_config(qc)
+    model = Qwen3MoeForCausalLM(hf_cfg, quant_config=Fp8Config.from_config(qc))
+    params = dict(model.named_parameters())
+    generator = torch.Generator().manual_seed(0)
+    quantised = fp8.fp8_quantized(qc, names)
+    sent = {}
+    for name in names:
+        tensor = (torch.randn(hf_shape(name, params), generator=generator) * 0.05).bfloat16()
+        sent.update(fp8.quantize_named(name, tensor, layout) if name in quantised
+                    else {name: tensor})
+    model.load_weights(list(sent.items()))
+    out[f"load_{label}_mismatched"] = mismatched_params(params, sent, layout)
     out[f"load_{label}_fp8_params"] = sum(p.dtype == torch.float8_e4m3fn for p in params.values())
+
+# 2b. The same model fed through the weight sync's own code and SGLang's own receiving side: the
+# sync's plan and conversion (WeightSync._convert, without a trainer: the Megatron tensors are
+# the HF ones converted by the family's mapping, fp32 as the CPU trainer holds them, bf16 the
+# generators' dtype) fill the buckets; megatron_rl's DistributedTransport broadcasts them over
+# gloo from a sender process (_fp8_bucket_sender.py) into SGLang's WeightUpdater here
+# (init_weights_update_group, receive_weights_from_distributed with the flattened-bucket payload
+# SGLangGenerator posts, load_weights_from_distributed), and the model's FP8 parameters then
+# hold exactly what quantize_named makes of the bf16 HF tensors.
+import subprocess  # noqa: E402
+import os  # noqa: E402
+from sglang.srt.model_executor.model_runner_components.weight_updater import \
+    WeightUpdater  # noqa: E402
+from megatron_rl.rollout.sglang_server import listen_port  # noqa: E402
+from megatron_rl.weight_sync import WeightSync, WeightSyncSettings, plan_buckets  # noqa: E402
+from megatron_rl.weight_sync.sync import _Counts  # noqa: E402
+from models.convert_common import convert_state_dict  # noqa: E402
+
+qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+      "weight_block_size": [16, 16]}
+layout = fp8.Fp8Layout.from_quantization_config(qc)
+model = Qwen3MoeForCausalLM(hf_cfg, quant_config=Fp8Config.from_config(qc))
+params = dict(model.named_parameters())
+generator = torch.Generator().manual_seed(1)
+hf = {name: torch.randn(hf_shape(name, params), generator=generator, dtype=torch.float32) * 0.05
+      for name in names}  # the trainer's fp32 (the default dtype is bf16 here)
+groups = bound.weight_groups()
+megatron = convert_state_dict(groups, hf, to="megatron")
+sync = object.__new__(WeightSync)  # its conversion only: settings and quantiser
+sync.settings = WeightSyncSettings(dtype=torch.bfloat16, quantization_config=qc)
+sync.quantiser = fp8.SyncQuantiser(qc, names)
+plan = plan_buckets(groups, lambda n: megatron[n].to("meta"), bucket_bytes=16 * 2**10,
+                    dtype=torch.bfloat16, quantiser=sync.quantiser)
+buckets, counts = [], _Counts()
+for bucket in plan:
+    data = torch.empty(bucket.num_bytes, dtype=torch.uint8)
+    slots = bucket.slots(data)
+    for hf_name, megatron_name in bucket.in_place.items():  # the gatherer's part
+        slots[hf_name].copy_(megatron[megatron_name])
+    sync._convert(bucket, {n: megatron[n] for n in bucket.megatron_names}, slots, counts)
+    buckets.append((bucket.specs, data))
+expected = {}
+quantised = fp8.fp8_quantized(qc, names)
+for name in names:
+    expected.update(fp8.quantize_named(name, hf[name].bfloat16(), layout) if name in quantised
+                    else {name: hf[name].bfloat16()})
+path = os.path.join(model_dir, "buckets.pt")
+torch.save(buckets, path)
+port, group_name = listen_port(), "fp8_sync_test"
+sender = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                        "_fp8_bucket_sender.py"),
+                           str(port), group_name, path], stdout=subprocess.PIPE, text=True)
+updater = WeightUpdater(tp_rank=0, device="cpu", gpu_id=0, model_config=None,
+                        custom_weight_loaders={}, get_model=lambda: model,
+                        update_model_fields=None, recapture_cuda_graph=None,
+                        get_model_runner=None)
+joined = updater.init_weights_update_group("127.0.0.1", port, 1, 2, group_name, backend="gloo")
+received, loaded = {}, []
+for specs, _ in buckets:
+    tensors = updater.receive_weights_from_distributed(
+        names=[t.name for t in specs], dtypes=[t.dtype_name for t in specs],
+        shapes=[list(t.shape) for t in specs], group_name=group_name,
+        load_format="flattened_bucket")
+    received.update((name, tensor.clone()) for name, tensor in tensors)
+    loaded.append(updater.load_weights_from_distributed(tensors)[0])
+updater.destroy_weights_update_group(group_name)
+sender_out, _ = sender.communicate(timeout=120)
+out["sync_joined"] = joined[0] and sender.returncode == 0 and "SENT" in sender_out
+out["sync_loaded"] = all(loaded) and len(loaded) == len(buckets) > 1
+out["sync_received_mismatched"] = sorted(
+    set(expected) ^ set(received)) + [n for n in received if n in expected and not (
+        received[n].dtype == expected[n].dtype and torch.equal(bits(received[n]),
+                                                               bits(expected[n])))]
+out["sync_num_quantized"] = sum(b.num_quantized for b in plan)
+out["sync_quantize_s"] = counts.quantize_s > 0
+out["sync_load_mismatched"] = mismatched_params(params, expected, layout)
 
 # 3. Llama-4 as SGLang serves it (mllama4.Llama4ForConditionalGeneration, text only): every FP8
 # parameter after load_weights dequantises to the trainer's tensor within the e4m3 bound

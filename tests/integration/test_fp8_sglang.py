@@ -4,7 +4,9 @@
 engine's own online quantisation); block dequantisation equal to fp8_utils.block_quant_dequant;
 the skip rule equal to Fp8Config.from_config + quantization/utils.is_layer_skipped; the rule equal
 to the parameters SGLang's own Qwen3-MoE and Llama-4 models create in FP8 (tiny sizes, with and
-without excluded modules); SGLang's Qwen3-MoE loader (`load_weights`) taking the quantiser's
+without excluded modules); the sync's plan and conversion sending Qwen3-MoE through
+megatron_rl's gloo transport into SGLang's own WeightUpdater (receive, load), whose FP8
+parameters then hold the quantiser's bytes; SGLang's Qwen3-MoE loader (`load_weights`) taking the quantiser's
 named output into exactly those bytes and scales, block and per-tensor; and SGLang's Llama-4
 (multimodal class, text only) loading it, experts unfused, into parameters that dequantise to the
 trainer's tensors within the e4m3 bound, which needs blocks of whole heads. The worker
@@ -47,6 +49,15 @@ def test_quantiser_and_rule_match_sglang_on_cpu():
         assert result.pop(f"rule_nonempty_{family}_3") == excluded
     # SGLang's loader holds exactly what was sent, in all 16 FP8 parameters (4 layers x qkv,
     # o_proj, w13, w2) and the rest.
+    # Through the sync's plan and conversion, megatron_rl's gloo transport and SGLang's
+    # WeightUpdater (receive + load_weights): received bit for bit as quantize_named makes it
+    # of the bf16 tensors, and loaded into the FP8 parameters. 4 layers x (q, k, v, o and 4
+    # experts x gate, up, down).
+    assert result.pop("sync_joined") is True and result.pop("sync_loaded") is True
+    assert result.pop("sync_received_mismatched") == []
+    assert result.pop("sync_load_mismatched") == []
+    assert result.pop("sync_num_quantized") == 4 * (4 + 4 * 3)
+    assert result.pop("sync_quantize_s") is True
     for layout in ("block", "per_tensor"):
         assert result.pop(f"load_{layout}_mismatched") == []
         assert result.pop(f"load_{layout}_fp8_params") == 16

@@ -178,3 +178,18 @@ def test_config_refuses_fp8_where_it_cannot_serve_before_anything_starts(tmp_pat
                        num_key_value_heads=8, head_dim=128, hidden_size=5120,
                        intermediate_size=8192, intermediate_size_mlp=16384)
     load_config(None, ["model.name=llama4", scout, "rollout.precision=fp8", "rollout.tp_size=8"])
+
+
+def test_the_engines_load_the_checkpoint_or_its_fp8_copy_by_rollout_precision(tmp_path):
+    from megatron_rl.cluster.served_checkpoint import served_model_dir
+    from megatron_rl.config import RolloutConfig
+
+    _source(tmp_path / "hf")
+    bf16 = RolloutConfig(precision="bf16")
+    assert served_model_dir(bf16, str(tmp_path / "hf"), tmp_path / "run") == str(tmp_path / "hf")
+    assert not (tmp_path / "run").exists()  # nothing written for bf16
+    rollout = RolloutConfig(precision="fp8", fp8_block_size=16, fp8_scale_fmt="ue8m0")
+    served = served_model_dir(rollout, str(tmp_path / "hf"), tmp_path / "run")
+    assert served == str((tmp_path / "run" / "served_fp8").resolve())
+    assert json.loads((tmp_path / "run" / "served_fp8" / "config.json").read_text())[
+        "quantization_config"] == {**BLOCK, "scale_fmt": "ue8m0"}

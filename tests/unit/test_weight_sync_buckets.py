@@ -107,8 +107,12 @@ def test_sync_report_metrics_for_tensorboard():
 
     report = SyncReport(version=3, num_bytes=3 * 2**30, num_tensors=10, num_buckets=6,
                         seconds=2.0, gather_s=0.5, convert_s=0.25, transfer_s=1.0, load_s=0.125,
-                        control_s=0.0625, cache_flushed=False)
+                        control_s=0.0625, cache_flushed=False, num_quantized=7,
+                        quantize_s=0.125)
     metrics = report.metrics()
+    assert metrics["weight_sync/bytes"] == 3 * 2**30
+    assert metrics["weight_sync/quantized_tensors"] == 7.0
+    assert metrics["weight_sync/quantize_s"] == 0.125
     assert metrics["weight_sync/gib_per_s"] == 1.5 and metrics["weight_sync/gib"] == 3.0
     assert metrics["weight_sync/version"] == 3.0 and metrics["weight_sync/buckets"] == 6.0
     assert metrics["weight_sync/control_s"] == 0.0625
@@ -136,3 +140,122 @@ def test_settings_from_the_run_config():
     assert disk.disk_dir == "/tmp/run/weight_sync" and disk.hf_config_dir == "/ckpt/hf"
     with pytest.raises(ValueError, match="hf_config_dir"):
         WeightSyncSettings.from_run_config(load_config(None, ["weight_sync.transport=disk"]))
+
+
+# Issue 40: FP8-serving generators. HF names, so that fp8.fp8_quantized (SGLang's rule) picks
+# the projections; [16, 16] blocks.
+L0 = "model.layers.0."
+FP8_SHAPES = {"emb": (40, 32), "qkv": (64, 32), "fc2": (40, 48), "norm": (32,),
+              "experts_fc1": (2, 32, 64)}
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+
+
+def _fp8_groups():
+    return [renamed("model.embed_tokens.weight", "emb"),
+            fused_qkv(L0 + "self_attn.q_proj.weight", L0 + "self_attn.k_proj.weight",
+                      L0 + "self_attn.v_proj.weight", "qkv", num_attention_heads=2,
+                      num_query_groups=1),
+            renamed(L0 + "mlp.down_proj.weight", "fc2"),
+            renamed(L0 + "input_layernorm.weight", "norm")]
+
+
+def _fp8_meta(name):
+    return torch.empty(FP8_SHAPES[name], dtype=torch.float32, device="meta")
+
+
+def _quantiser(groups, config=FP8_CONFIG, **kwargs):
+    from megatron_rl.weight_sync.fp8 import SyncQuantiser
+
+    return SyncQuantiser(config, [n for g in groups for n in g.hf_names], **kwargs)
+
+
+def test_fp8_plan_has_weights_and_scales_in_bytes_and_nothing_quantised_in_place():
+    groups = _fp8_groups()
+    quantiser = _quantiser(groups)
+    (bucket,) = plan_buckets(groups, _fp8_meta, bucket_bytes=10**6, quantiser=quantiser)
+    attn = L0 + "self_attn."
+    # Item size 4 first (fp32 tensors sent as they are, float32 scales), in mapping order, then
+    # the fp8 weights (1 byte). q_proj [32, 32] (heads of 16), k / v [16, 32], down [40, 48]
+    # (a partial row of blocks: 3 x 3 scales).
+    names = ["model.embed_tokens.weight", attn + "q_proj.weight_scale_inv",
+             attn + "k_proj.weight_scale_inv", attn + "v_proj.weight_scale_inv",
+             L0 + "mlp.down_proj.weight_scale_inv", L0 + "input_layernorm.weight",
+             attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight",
+             L0 + "mlp.down_proj.weight"]
+    assert [s.name for s in bucket.specs] == names
+    assert [s.shape for s in bucket.specs] == [(40, 32), (2, 2), (1, 2), (1, 2), (3, 3), (32,),
+                                               (32, 32), (16, 32), (16, 32), (40, 48)]
+    assert [s.dtype for s in bucket.specs] == [torch.float32] * 6 + [torch.float8_e4m3fn] * 4
+    # Bytes: 5120 + 4 * (4 + 2 + 2 + 9) + 128, then 1024 + 512 + 512 + 1920.
+    assert bucket.offsets == (0, 5120, 5136, 5144, 5152, 5188, 5316, 6340, 6852, 7364)
+    assert bucket.num_bytes == 9284 and bucket.num_quantized == 4
+    # The renamed down_proj is quantised, so not gathered straight into its slot.
+    assert bucket.in_place == {"model.embed_tokens.weight": "emb",
+                               L0 + "input_layernorm.weight": "norm"}
+    # Buckets fill by bytes: the q/k/v group is 2048 fp8 + 32 scale bytes (8192 in fp32), and
+    # down_proj's 1920 + 36 bytes leave no room for the norm's 128.
+    split = plan_buckets(groups, _fp8_meta, bucket_bytes=2080, quantiser=quantiser)
+    assert [b.num_bytes for b in split] == [5120, 2080, 1956, 128]
+    # Per-tensor scales: 0-dim float32 `weight_scale`.
+    per_tensor = _quantiser(groups, {"quant_method": "fp8"})
+    (bucket,) = plan_buckets(groups[1:2], _fp8_meta, bucket_bytes=10**6, quantiser=per_tensor)
+    assert [(s.name.rpartition(".")[2], s.shape) for s in bucket.specs] == [
+        ("weight_scale", ())] * 3 + [("weight", (32, 32)), ("weight", (16, 32)),
+                                     ("weight", (16, 32))]
+    assert bucket.num_bytes == 12 + 2048
+
+
+def test_fp8_plan_matches_what_the_quantiser_sends():
+    """The plan's names, dtypes and shapes are those of quantize_named's output (the sync checks
+    every tensor against its slot), Llama-4's fused experts unfused per expert."""
+    from megatron_rl.weight_sync.fp8 import quantize_named
+
+    experts = renamed(L0 + "feed_forward.experts.gate_up_proj", "experts_fc1")
+    groups = _fp8_groups() + [experts]
+    for config in (FP8_CONFIG, {"quant_method": "fp8"}):
+        quantiser = _quantiser(groups, config, head_dim=16)
+        plan = plan_buckets(groups, _fp8_meta, bucket_bytes=10**6, quantiser=quantiser)
+        planned = {s.name: (s.dtype, s.shape) for b in plan for s in b.specs}
+        sent = {}
+        for group in groups:
+            full = {n: torch.randn(FP8_SHAPES[n]) for n in group.megatron_names}
+            for name, tensor in group.to_hf(full).items():
+                sent.update(quantiser.quantize(name, tensor) or {name: tensor})
+        assert planned == {n: (t.dtype, tuple(t.shape)) for n, t in sent.items()}
+        gate = L0 + "feed_forward.experts.1.gate_proj.weight"
+        assert planned[gate] == (torch.float8_e4m3fn, (32, 32))
+        expected = quantize_named(gate, full["experts_fc1"][1][:, :32].T.contiguous(),
+                                  quantiser.layout)
+        assert torch.equal(sent[gate].view(torch.uint8), expected[gate].view(torch.uint8))
+        assert sum(b.num_quantized for b in plan) == 4 + 2 * 2
+    # Llama-4's q/k rows move within a head after loading: blocks must hold whole heads.
+    with pytest.raises(ValueError, match="head_dim 32"):
+        _quantiser(groups, head_dim=32)
+    _quantiser(_fp8_groups(), head_dim=32)  # no Llama-4 tensor: no such constraint
+
+
+def test_served_quantization_config_from_the_run_config():
+    from megatron_rl.config import load_config
+    from megatron_rl.weight_sync import WeightSyncSettings
+    from megatron_rl.weight_sync.fp8 import Fp8Layout, served_quantization_config
+
+    def served(*overrides):
+        return served_quantization_config(load_config(None, list(overrides)).rollout)
+
+    assert served() is None and WeightSyncSettings.from_run_config(
+        load_config(None, [])).quantization_config is None
+    assert served("rollout.precision=fp8") == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}
+    settings = WeightSyncSettings.from_run_config(load_config(None, [
+        "rollout.precision=fp8", "rollout.fp8_block_size=16", "rollout.fp8_scale_fmt=ue8m0"]))
+    assert settings.quantization_config == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [16, 16], "scale_fmt": "ue8m0"}
+    assert Fp8Layout.from_quantization_config(settings.quantization_config) == Fp8Layout(
+        weight_block_size=(16, 16), ue8m0=True)
+    assert served("rollout.precision=fp8", "rollout.fp8_block_size=null") == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    with pytest.raises(ValueError, match="rollout.fp8_block_size"):
+        served("rollout.precision=fp8", "rollout.fp8_block_size=null",
+               "rollout.fp8_scale_fmt=ue8m0")

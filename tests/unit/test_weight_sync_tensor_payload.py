@@ -15,7 +15,16 @@ pytestmark = pytest.mark.unit
 
 def _named():
     return [("model.embed_tokens.weight", torch.arange(12, dtype=torch.float32).view(3, 4)),
-            ("model.norm.weight", torch.tensor([0.5, -2.0], dtype=torch.bfloat16))]
+            ("model.norm.weight", torch.tensor([0.5, -2.0], dtype=torch.bfloat16)),
+            # FP8-serving generators (issue 40): an fp8 weight, its block and per-tensor scales.
+            ("model.layers.0.mlp.down_proj.weight",
+             torch.tensor([[1.5, -448.0], [0.0, 2.0**-9]]).to(torch.float8_e4m3fn)),
+            ("model.layers.0.mlp.down_proj.weight_scale_inv", torch.tensor([[0.25]])),
+            ("model.layers.0.mlp.up_proj.weight_scale", torch.tensor(0.125))]
+
+
+def _bits(tensor):
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
@@ -40,7 +49,7 @@ def test_one_serialisation_per_engine_rank_read_back_by_sglang(monkeypatch, num_
         received = MultiprocessingSerializer.deserialize(payloads[rank])
         assert [name for name, _ in received] == [name for name, _ in named]
         for (_, got), (_, sent) in zip(received, named):
-            assert got.dtype == sent.dtype and torch.equal(got, sent)
+            assert got.dtype == sent.dtype and torch.equal(_bits(got), _bits(sent))
     with pytest.raises(ValueError, match="num_ranks must be >= 1"):
         serialize_for_ranks(named, 0)
 
