@@ -243,11 +243,12 @@ def check_served_checkpoint(directory: str, *, name: str = "model.hf_checkpoint"
     """Refuse an HF checkpoint that SGLang would serve quantised (named `name` in the error):
     config.json's quantization_config or compression_config (top level or text_config), or an
     hf_quant_config.json beside it, which is how SGLang 0.5.23 finds quantisation
-    (srt/configs/model_config.py). The weight sync sends unquantised tensors (bf16 / fp32), which
-    SGLang would write into FP8 parameters without their scales: silently wrong weights. Until
-    a quantiser runs before loading (as in verl and slime), such a checkpoint is refused here,
-    at config load, and again when the trainer connects to the generators. A folder without
-    config.json is left to the loaders to report."""
+    (srt/configs/model_config.py). The trainer starts from this checkpoint and needs its bf16
+    (or fp32) weights; a quantised release has lost them. Serving FP8 is rollout.precision=fp8:
+    the run writes the FP8 copy the generators load (cluster/served_checkpoint.py) and the weight
+    sync quantises every update in the same layout. Refused here, at config load, and again
+    when the trainer connects to the generators. A folder without config.json is left to the
+    loaders to report."""
     folder = Path(directory)
     found = []
     if (folder / "config.json").is_file():
@@ -265,10 +266,58 @@ def check_served_checkpoint(directory: str, *, name: str = "model.hf_checkpoint"
     if (folder / "hf_quant_config.json").is_file():
         found.append("hf_quant_config.json")
     _require(not found, f"{name}: {directory} is a quantised checkpoint ({'; '.join(found)}): "
-             "the weight sync writes the trainer's unquantised weights into the generators' "
-             "quantised (e.g. FP8) parameters without their scales, which silently corrupts "
-             "the model, and no quantiser runs before loading yet; use the checkpoint's bf16 "
-             "release")
+             "the trainer starts from the checkpoint's weights and needs them unquantised; use "
+             "the model's bf16 release, and set rollout.precision=fp8 to serve it in FP8 (the "
+             "run quantises the generators' copy and every weight update)")
+
+
+# The families whose FP8 serving is checked against SGLang's FP8 loader: the weight sync's rule
+# of which tensors SGLang holds in FP8 (weight_sync/fp8.py fp8_quantized) is tested on llama4 and
+# qwen3_moe (tests/integration/test_fp8_sglang.py); llama's projections are the same SGLang
+# layers (models/llama.py), served per-tensor end to end in tests/e2e/test_fp8_rollout.py.
+FP8_SERVED_FAMILIES = ("llama", "llama4", "qwen3_moe")
+
+
+def fp8_serving_problem(family: str, hf_config: dict, block_size: int | None,
+                        tp_size: int) -> str | None:
+    """Why rollout.precision=fp8 cannot serve this model, in one line (None: it can). SGLang
+    0.5.23's FP8 layers (srt/layers/quantization/fp8.py `validate_block_quant_shapes`,
+    `create_fp8_moe_weight_`) refuse a block size that does not divide each fused projection's
+    shards per TP rank (q / k / v, gate / up, the experts' intermediate size) and each
+    row-parallel input; Llama-4's loader needs blocks of whole heads (weight_sync/fp8.py
+    check_llama4_block_rows). The message names the block sizes that would work."""
+    if family not in FP8_SERVED_FAMILIES:
+        return (f"rollout.precision: fp8 is not available for model family {family!r} (its "
+                "tensors SGLang holds in FP8 are checked for "
+                f"{', '.join(FP8_SERVED_FAMILIES)}); use rollout.precision=bf16")
+    if block_size is None:
+        return None
+    if family == "llama":
+        return (f"rollout.fp8_block_size: {block_size} cannot serve a llama model: SGLang "
+                "0.5.23's Llama loader renames `weight_scale_inv` to `weight_scale` "
+                "(models/llama.py LlamaForCausalLM._legacy_load_weights) and so drops block "
+                "scales; use rollout.fp8_block_size=null (per-tensor scales)")
+    text = hf_config.get("text_config") or hf_config
+    heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads") or \
+        text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    # Per TP rank; SGLang replicates KV heads over ranks when there are fewer than tp_size.
+    sizes = [heads * head_dim // tp_size, max(kv_heads // tp_size, 1) * head_dim]
+    sizes += [text[key] // tp_size for key in ("intermediate_size", "intermediate_size_mlp",
+                                                "moe_intermediate_size") if text.get(key)]
+    whole_heads = text.get("model_type") == "llama4_text"
+    fits = [b for b in (128, 64, 32, 16, 8, 4, 2, 1) if all(size % b == 0 for size in sizes)
+            and (not whole_heads or b % head_dim == 0)]
+    if block_size in fits:
+        return None
+    why = (f"SGLang's FP8 layers need every fused projection shard per TP rank "
+           f"({', '.join(map(str, sorted(set(sizes))))} at rollout.tp_size {tp_size}) to be a "
+           "multiple of the block" + (f", and Llama-4 blocks of whole heads (head_dim "
+                                       f"{head_dim})" if whole_heads else ""))
+    fix = (f"rollout.fp8_block_size={fits[0]}" if fits else "no block size does") + \
+        " or null (per-tensor scales)"
+    return (f"rollout.fp8_block_size: {block_size} cannot serve this {family} model in FP8: "
+            f"{why}; use {fix}")
 
 
 def _model_registry() -> Any:
@@ -919,6 +968,33 @@ class LoggingConfig:
         _check_fields(self)
 
 
+def _check_fp8_serving(cfg: "RunConfig") -> None:
+    """rollout.precision=fp8 refused at config load where it cannot work (fp8_serving_problem),
+    on the model's config.json (model.hf_checkpoint, which `megatron-rl train` needs and the
+    served FP8 copy is made from). Without one (plan, cost) the shard sizes are not checked:
+    the registry's configs live in the family packages, which import Megatron."""
+    hf_config = None
+    if cfg.model.hf_checkpoint is not None:
+        path = Path(cfg.model.hf_checkpoint) / "config.json"
+        if path.is_file():
+            hf_config = json.loads(path.read_text())
+    _require(cfg.rollout.fp8_block_size is not None or cfg.rollout.fp8_scale_fmt == "float32",
+             "rollout.fp8_scale_fmt: ue8m0 (power-of-two) scales are block scales; set "
+             "rollout.fp8_block_size (e.g. 128) or rollout.fp8_scale_fmt=float32")
+    # SGLang's Fp8Config.get_supported_act_dtypes: the model loader refuses float32 with fp8.
+    stored = (hf_config or {}).get("torch_dtype") or (hf_config or {}).get("dtype")
+    served = stored if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    _require(served != "float32",
+             f"rollout.dtype: {cfg.rollout.dtype}"
+             + (f" (the checkpoint's {stored})" if cfg.rollout.dtype == "auto" else "")
+             + " cannot serve FP8: SGLang's FP8 layers compute in bfloat16 or float16; set "
+             "rollout.dtype=bfloat16")
+    if cfg.model.name not in FP8_SERVED_FAMILIES or hf_config is not None:
+        problem = fp8_serving_problem(cfg.model.name, hf_config or {}, cfg.rollout.fp8_block_size,
+                                      cfg.rollout.tp_size)
+        _require(problem is None, problem or "")
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class RunConfig:
     """One RL run. Rules spanning sections: train.global_batch_size is a multiple of
@@ -991,6 +1067,8 @@ class RunConfig:
         _require(self.model.name in MOE_MODEL_FAMILIES or par.expert_model_parallel_size == 1,
                  f"parallelism.expert_model_parallel_size: dense model {self.model.name!r} has no "
                  f"experts to split (got {par.expert_model_parallel_size}); set it to 1")
+        if self.rollout.precision == "fp8":
+            _check_fp8_serving(self)
 
     @property
     def prompts_per_step(self) -> int:

@@ -115,10 +115,14 @@ class RunCluster:
                   phases: _Phases, *, start_checkpoint: Callable[[str], str]) -> "RunCluster":
         """The trainer ranks, the engines and the weight sync in the reserved placement."""
         from megatron_rl.cluster import GeneratorPool, TrainerGroup
+        from megatron_rl.cluster.served_checkpoint import served_model_dir
         from megatron_rl.rollout.sglang_server import is_moe_model
 
         gpu_colocated = layout.colocated and layout.device == "gpu"
         model_dir = str(Path(cfg.model.hf_checkpoint).resolve())
+        # What the engines load: model_dir, or its FP8 copy in the run directory
+        # (rollout.precision fp8); the trainer starts from model_dir either way.
+        served_dir = served_model_dir(cfg.rollout, model_dir, out)
         waits = dict(start_timeout_s=cfg.rollout.engine_start_timeout_s,
                      call_timeout_s=cfg.rollout.health_check_timeout_s)
         api_key = secrets.token_urlsafe(32)
@@ -126,11 +130,11 @@ class RunCluster:
             if gpu_colocated:  # the servers need the ranks' GPU ids
                 trainers = TrainerGroup.create(placement, cfg)
                 generators = GeneratorPool.start(
-                    placement, server_settings(cfg, layout, out, model_dir, trainers, api_key),
+                    placement, server_settings(cfg, layout, out, served_dir, trainers, api_key),
                     **waits)
             else:  # the servers load while the trainer ranks build
                 generators = GeneratorPool.start(
-                    placement, server_settings(cfg, layout, out, model_dir, None, api_key),
+                    placement, server_settings(cfg, layout, out, served_dir, None, api_key),
                     **waits)
                 trainers = TrainerGroup.create(placement, cfg)
         with phases("start checkpoint"):

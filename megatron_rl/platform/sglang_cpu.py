@@ -53,6 +53,10 @@ breaks without it (CPU_STACK.md, verified by switching it off):
    other thread (checked: no OpenMP pool or I/O thread is copied); else
    from a forkserver that preloads it (`megatron_rl.platform.sglang_forkserver`). See
    `_start_children_forked` (MEGATRON_RL_SGLANG_CHILDREN=fork|forkserver|spawn chooses).
+13. FP8 checkpoints (rollout.precision=fp8): SGLang's FP8 linear and MoE methods need AMX on CPU
+   (an assertion at load, `sgl_kernel` VNNI kernels in the forward). Their loaders and
+   parameters stay; the matmul dequantises the fp8 weights with their scales and runs in the
+   activation dtype. See megatron_rl/platform/sglang_fp8_cpu.py.
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ import types
 
 import torch
 
-from megatron_rl.platform import sglang_chunked_attention
+from megatron_rl.platform import sglang_chunked_attention, sglang_fp8_cpu
 
 _applied = False
 
@@ -93,6 +97,7 @@ def apply_sglang_cpu_fixes() -> bool:
         _patch_on_import("sglang.srt.weight_sync.tensor_bucket", _patch_tensor_bucket)
         _patch_on_import("sglang.srt.state_capturer.base", _patch_routed_experts_host_cache)
         _patch_on_import("sglang.srt.mem_cache.kv_cache_configurator", _patch_kv_budget)
+        _patch_on_import("sglang.srt.layers.quantization.fp8", sglang_fp8_cpu.patch_fp8_methods)
         if child_start_method() != "spawn":
             _patch_on_import("sglang.srt.entrypoints.engine", _patch_child_start_method)
         if os.environ.get(SAMPLING_SEEDS_ENV) == "1":

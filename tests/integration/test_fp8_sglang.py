@@ -70,3 +70,116 @@ def test_quantiser_and_rule_match_sglang_on_cpu():
     assert result.pop("llama4_16_refused") is False and result.pop("llama4_8_refused") is True
     assert result.pop("llama4_16_fp8_params") == result.pop("llama4_8_fp8_params") == 24
     assert result == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# An SGLang CPU server serving the tiny Llama-4 in FP8 ([16, 16] blocks, the block size the tiny
+# model's shards divide with whole heads) from the run's served copy
+# (cluster/served_checkpoint.py) through the CPU FP8 shim (platform/sglang_fp8_cpu.py): SGLang's
+# own Fp8Config, FP8 parameters and loader, the matmul on the dequantised weights.
+#
+# References, transformers in FP32 on (a) the bf16 weights the trainer holds and (b) the FP8
+# copy's weights dequantised (fp8 x block scale, re-fused): (b) is the exact function of what
+# the engine holds, so |generator - (b)| is the engine's own computation noise (bf16
+# activations; on this model ~0.01 mean, one near-tie token up to 0.09 measured), the level a
+# bf16-served engine shows against its FP32 reference (0.015 max in test_sglang_llama4.py);
+# |generator - (a)| is the rollout mismatch FP8 serving adds. The bound on it: (b) - (a) is
+# the quantisation's whole effect on the FP32 function, so the generator may differ from (a) by
+# at most |(b) - (a)| plus its own noise (NOISE_MAX); a wrong scale, a stale or misplaced
+# tensor, or the scales ignored would break it (mutation: the shim without scales, below).
+# Measured (2-core CPU, load ~3): mean |gen - (a)| 0.053, max 0.263; mean |gen - (b)| 0.010,
+# max 0.086; max |(b) - (a)| 0.257.
+NOISE_MEAN, NOISE_MAX = 0.03, 0.15
+SEQUENCES = [[5, 17, 42, 99, 7, 250, 3, 64, 128, 11, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39],
+             [200, 4, 4, 31, 77, 150, 9, 18], [2, 200, 45, 61, 19, 88, 101, 7, 7, 250, 13, 6]]
+
+
+def _dequantised_state(served: dict, block) -> dict:
+    """The FP8 copy's tensors as the engine computes with them, in the HF layout
+    transformers loads (per-expert tensors fused back into gate_up_proj / down_proj)."""
+    import torch
+
+    from megatron_rl.weight_sync.fp8 import dequantize_blockwise
+
+    state, experts = {}, {}
+    for name, tensor in served.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor = dequantize_blockwise(tensor, served[name + "_scale_inv"], block)
+        base, found, rest = name.partition(".experts.")
+        if found and rest[0].isdigit():  # base.experts.{e}.{proj}.weight
+            expert, proj, _ = rest.split(".")
+            experts.setdefault(base, {})[int(expert), proj] = tensor
+        else:
+            state[name] = tensor
+    for base, parts in experts.items():
+        count = 1 + max(e for e, _ in parts)
+        state[base + ".experts.gate_up_proj"] = torch.stack([torch.cat(
+            [parts[e, "gate_proj"].T, parts[e, "up_proj"].T], -1) for e in range(count)])
+        state[base + ".experts.down_proj"] = torch.stack([parts[e, "down_proj"].T
+                                                          for e in range(count)])
+    return state
+
+
+def _fp32_logprobs(family, state: dict) -> "torch.Tensor":
+    import torch
+    from transformers import Llama4ForCausalLM
+
+    config = family.hf_config
+    config._attn_implementation = "eager"
+    model = Llama4ForCausalLM(config).eval()
+    model.load_state_dict({n.removeprefix("language_model."): t.float()
+                           for n, t in state.items()}, strict=True)
+    out = []
+    with torch.no_grad():
+        for seq in SEQUENCES:
+            logits = model(torch.tensor([seq])).logits[0, :-1].float()
+            out.append(torch.log_softmax(logits, -1).gather(
+                -1, torch.tensor(seq[1:])[:, None])[:, 0])
+    return torch.cat(out)
+
+
+def test_sglang_cpu_serves_tiny_llama4_in_fp8(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _hf_families import family_for, save_tiny_llama4
+
+    from megatron_rl.cluster.served_checkpoint import write_fp8_checkpoint
+    from megatron_rl.rollout import (SamplingParams, SGLangGenerator, SGLangServer,
+                                     SGLangServerSettings)
+
+    block = [16, 16]
+    source = save_tiny_llama4(tmp_path / "model")
+    served = write_fp8_checkpoint(source, tmp_path / "served", {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": block})
+    log = tmp_path / "server.log"
+    server = SGLangServer.launch(SGLangServerSettings(
+        model_path=str(served), dtype="bfloat16", mem_fraction_static=0.05,
+        max_total_tokens=8192, startup_timeout_s=240, request_timeout_s=120, log_path=str(log)))
+    try:
+        generator = SGLangGenerator(server.url, request_timeout_s=120, max_retries=1)
+        generated = torch.cat(generator.score(SEQUENCES))
+        greedy = generator.generate([SEQUENCES[0][:5]], SamplingParams(
+            max_new_tokens=8, temperature=0.0, ignore_eos=True, purpose="eval"))
+    finally:
+        server.shutdown()
+    assert "quant=fp8, fmt=e4m3" in log.read_text()  # SGLang loaded it as an FP8 checkpoint
+    assert len(greedy[0].token_ids) == 8
+
+    family = family_for(str(source))
+    bf16 = _fp32_logprobs(family, load_file(str(source / "model.safetensors")))
+    dequantised = _fp32_logprobs(family, _dequantised_state(
+        load_file(str(served / "model.safetensors")), tuple(block)))
+    noise = (generated - dequantised).abs()
+    mismatch = (generated - bf16).abs()
+    quantisation = (dequantised - bf16).abs().max()
+    # The engine computes with exactly the FP8 weights and scales it loaded...
+    assert noise.mean() < NOISE_MEAN and noise.max() < NOISE_MAX, noise
+    # ...so the mismatch against the trainer's weights is the quantisation's, clearly above the
+    # engine's own noise, and bounded by what quantisation does to the FP32 function.
+    assert mismatch.mean() > 3 * noise.mean(), (mismatch.mean(), noise.mean())
+    assert mismatch.max() <= quantisation + NOISE_MAX, (mismatch.max(), quantisation)

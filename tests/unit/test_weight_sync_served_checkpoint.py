@@ -1,8 +1,9 @@
-"""A quantised served checkpoint is refused (issue 30.10): the weight sync sends unquantised
-tensors, which SGLang would write into FP8 parameters without their scales. Refused at config
-load (model.hf_checkpoint) and again when the trainer connects to the generators, in one error
-naming the checkpoint, what marks it quantised and the fix; SGLang 0.5.23 finds quantisation in
-config.json's quantization_config / compression_config and in hf_quant_config.json."""
+"""A quantised checkpoint as model.hf_checkpoint is refused (issue 30.10, 40): the trainer
+starts from its weights and needs them unquantised; serving FP8 is rollout.precision=fp8 (the run
+writes the generators' FP8 copy itself). Refused at config load (model.hf_checkpoint) and again
+when the trainer connects to the generators, in one error naming the checkpoint, what marks it
+quantised and the fix; SGLang 0.5.23 finds quantisation in config.json's quantization_config /
+compression_config and in hf_quant_config.json."""
 import json
 
 import pytest
@@ -31,7 +32,7 @@ def test_an_fp8_checkpoint_is_refused_at_config_load(tmp_path):
     message = str(raised.value)
     assert message.startswith(f"model.hf_checkpoint: {served} is a quantised checkpoint")
     assert "quantization_config (quant_method 'fp8')" in message
-    assert "without their scales" in message and "bf16 release" in message
+    assert "bf16 release" in message and "rollout.precision=fp8" in message
 
 
 @pytest.mark.parametrize("marker", ["text_config", "compression_config", "hf_quant_config"])
