@@ -148,6 +148,15 @@ def test_colocated_engines_and_trainer_share_the_devices(colocated):
         6 * 8.03e9 * 1000 / (4 * 989.5e12 * 0.4))
     [(began, ended)] = trainers.train_spans
     assert ended > began
+    assert "old_logprob" not in trainers.modelled_s  # this project's driver: no such pass
+    # A baseline that recomputes the old policy's log-probs (verl's old_log_prob phase) adds a
+    # forward pass over the batch before the step: 2N a token at train_mfu over the 4 devices.
+    colocated.settings.recompute_old_logprobs = True
+    trainers.train_step(_batch(1000))
+    assert trainers.modelled_s["old_logprob"] == pytest.approx(
+        2 * 8.03e9 * 1000 / (4 * 989.5e12 * 0.4))
+    assert trainers.modelled_s["train"] == pytest.approx(
+        2 * 6 * 8.03e9 * 1000 / (4 * 989.5e12 * 0.4))
     # The weight hand-over: each device loads its engine's shard (bf16 weights / 2 devices).
     report = trainers.sync_weights()
     assert report.num_bytes == int(2 * 8.03e9) // 2
