@@ -82,7 +82,8 @@ def _verl(gpus: int, sync_s: float, async_s: float, speedup: float, **kw) -> Cas
         name=f"verl-7b-{gpus}", shape="qwen2.5-math-7b", hardware="H20", prompts=512,
         samples=16, prompt_tokens=200, max_response=28 * 1024, mean_response=1200.0,
         engine_tp=4, mem_fraction=0.8, sync_gpus=gpus, async_gen_gpus=half,
-        async_train_gpus=half, k=1, baseline_recomputes_logprobs=True, published_sync_s=sync_s, published_async_s=async_s,
+        async_train_gpus=half, k=1, baseline_recomputes_logprobs=True,
+        published_sync_s=sync_s, published_async_s=async_s,
         published_speedup=speedup, fraction=fraction,
         source="verl docs/advance/fully_async.md @df340d70 (ANCHOR_FIGURES 1), 400-step totals",
         assumed="mean response 1200 tokens (unpublished: the published update_actor times at "
