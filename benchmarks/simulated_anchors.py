@@ -32,9 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-# The cost model's efficiency knobs at their defaults (scaling/cost.py) on every case; the
-# engines' memory overhead factor 1.0 (the publishers' memory-utilisation setting is the static
-# fraction, activations included).
+# The cost model's efficiency knobs at their defaults (scaling/cost.py) on every case, the
+# decode floor (decode_layer_overhead_us, decode_tp_layer_overhead_us) included at its fitted
+# defaults (benchmarks/decode_floor_fit.py); the engines' memory overhead factor 1.0 (the
+# publishers' memory-utilisation setting is the static fraction, activations included).
 CALIBRATION = dict(decode_bandwidth_efficiency=0.6, decode_mfu=0.5, prefill_mfu=0.5,
                    train_mfu=0.4, memory_overhead_factor=1.0, max_running_requests=256)
 # Completion lengths: lognormal with this sigma (p99 = 5x the median), its median solved so that
@@ -68,6 +69,10 @@ class Case:
     # Steps a run at least: k = 8 admits 9 steps' prompts at once, and the steps after the
     # first take groups already generated until the pipeline is in its steady state.
     min_steps: int = 0
+    # The published baseline's trainer recomputes the old policy's log-probs before each step
+    # (SimulationSettings.recompute_old_logprobs): verl's colocated runs (their old_log_prob
+    # column); its async runs take the rollout's (use_rollout_log_probs=True: no pass).
+    baseline_recomputes_logprobs: bool = False
 
 
 def _verl(gpus: int, sync_s: float, async_s: float, speedup: float, **kw) -> Case:
@@ -77,7 +82,8 @@ def _verl(gpus: int, sync_s: float, async_s: float, speedup: float, **kw) -> Cas
         name=f"verl-7b-{gpus}", shape="qwen2.5-math-7b", hardware="H20", prompts=512,
         samples=16, prompt_tokens=200, max_response=28 * 1024, mean_response=1200.0,
         engine_tp=4, mem_fraction=0.8, sync_gpus=gpus, async_gen_gpus=half,
-        async_train_gpus=half, k=1, published_sync_s=sync_s, published_async_s=async_s,
+        async_train_gpus=half, k=1, baseline_recomputes_logprobs=True,
+        published_sync_s=sync_s, published_async_s=async_s,
         published_speedup=speedup, fraction=fraction,
         source="verl docs/advance/fully_async.md @df340d70 (ANCHOR_FIGURES 1), 400-step totals",
         assumed="mean response 1200 tokens (unpublished: the published update_actor times at "
@@ -213,7 +219,8 @@ def run_one(case: Case, *, colocated: bool, steps: int, time_scale: float, work:
     backend = SimulatedBackend(SimulationSettings(
         hardware=case.hardware, model=model, token_granularity=g, median_tokens=median,
         sigma=SIGMA, time_scale=time_scale, max_running_requests=CALIBRATION[
-            "max_running_requests"]))
+            "max_running_requests"],
+        recompute_old_logprobs=colocated and case.baseline_recomputes_logprobs))
     began = time.perf_counter()
     status, report = simulate(cfg, backend)
     if status != 0:

@@ -11,8 +11,13 @@ Per optimizer step, with N = active parameters (MoE) and S = prompts x samples c
 - Decode is bandwidth-bound: each decode step of a generator instance reads the weights (for MoE,
   the experts touched by the batch under uniform top-k routing) plus the KV cache of every running
   sequence, at `decode_bandwidth_efficiency` of peak HBM bandwidth; the step is compute-bound
-  only if 2N x batch at `decode_mfu` takes longer. The batch is SGLang's max_running_requests,
-  capped by the KV memory left after the weights. Prefill and training are MFU-bound.
+  only if 2N x batch at `decode_mfu` takes longer. On top of that roofline every decode step pays
+  a fixed cost per layer (kernel launches, MoE routing, scheduling) and, when the engine spans
+  several devices, a per-layer TP all-reduce cost: `decode_layer_overhead_us` and
+  `decode_tp_layer_overhead_us`, fitted once to SGLang's published batch-1 decode speeds
+  (benchmarks/decode_floor_fit.py; docs/simulation.md, "Calibration"). The batch is SGLang's
+  max_running_requests, capped by the KV memory left after the weights. Prefill and training
+  are MFU-bound.
 - Balance: Pipeline-RL keeps generators and trainers busy concurrently, so the device split that
   balances the pipeline is generator device-seconds : trainer device-seconds per step, and the
   GPU-hours per step are their sum. Synchronous RL (pipeline_rl=False) waits for the longest
@@ -84,6 +89,14 @@ class CostConfig:
     decode_bandwidth_efficiency: float = _knob(0.6, "achieved fraction of peak HBM bandwidth "
                                                     "in decode")
     decode_mfu: float = _knob(0.5, "achieved fraction of peak FLOP/s if decode is compute-bound")
+    # Fitted by benchmarks/decode_floor_fit.py (least squares over ANCHOR_FIGURES section 19's
+    # SGLang batch-1 rows on H20); rerun it and paste its output here if the roofline changes.
+    decode_layer_overhead_us: float = _knob(
+        99.1, "fixed cost of one decode step per layer (kernel launches, routing, scheduling), "
+             "microseconds; fitted to SGLang batch-1 decode")
+    decode_tp_layer_overhead_us: float = _knob(
+        21.7, "added per layer and decode step when the engine spans > 1 device (TP "
+             "all-reduces), microseconds; same fit")
     prefill_mfu: float = _knob(0.5, "achieved fraction of peak FLOP/s in prefill")
     train_mfu: float = _knob(0.4, "achieved fraction of peak FLOP/s in training (MFU)")
     trainer_bytes_per_param: float = _knob(
@@ -107,7 +120,8 @@ class CostConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         for name in ("active_params", "num_experts", "prompt_tokens", "observation_tokens",
-                     "generator_devices_per_instance", "weight_sync_seconds", "total_devices"):
+                     "generator_devices_per_instance", "weight_sync_seconds", "total_devices",
+                     "decode_layer_overhead_us", "decode_tp_layer_overhead_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("mem_fraction_static", "decode_bandwidth_efficiency", "decode_mfu",
@@ -317,13 +331,23 @@ def kv_free_bytes(config: CostConfig, accelerator: Accelerator, engine: int) -> 
         - generator_weight_bytes(config) * config.memory_overhead_factor
 
 
+def decode_overhead_seconds(config: CostConfig, engine: int) -> float:
+    """The fixed cost of one decode step that the roofline lacks: num_layers x (the per-layer
+    overhead + the TP all-reduce term when the engine spans more than one device). Independent
+    of batch and context: the fit (benchmarks/decode_floor_fit.py) has batch-1 rows only."""
+    per_layer_us = config.decode_layer_overhead_us \
+        + (config.decode_tp_layer_overhead_us if engine > 1 else 0.0)
+    return config.num_layers * per_layer_us * 1e-6
+
+
 def decode_step(config: CostConfig, accelerator: Accelerator, engine: int, batch: int,
                 context_tokens: float) -> tuple[float, str, float]:
     """(seconds, "memory" | "compute", experts touched fraction) of one decode step of an engine
     of `engine` devices running `batch` sequences whose KV caches hold `context_tokens` tokens
     in all: the weights read (for MoE, the experts the batch touches under uniform top-k
     routing) plus every sequence's KV, at decode_bandwidth_efficiency of peak HBM bandwidth;
-    compute-bound only if 2N x batch at decode_mfu takes longer."""
+    compute-bound only if 2N x batch at decode_mfu takes longer; plus the step's fixed cost
+    (decode_overhead_seconds). The bound names the larger roofline term."""
     experts_touched = 1.0
     weights_read = generator_weight_bytes(config)
     if config.num_experts:
@@ -339,7 +363,7 @@ def decode_step(config: CostConfig, accelerator: Accelerator, engine: int, batch
                                    * config.decode_bandwidth_efficiency)
     compute_seconds_ = 2.0 * config.num_active_params * batch / (
         engine * accelerator.peak_flops(config.generator_precision) * config.decode_mfu)
-    return (max(memory_seconds, compute_seconds_),
+    return (max(memory_seconds, compute_seconds_) + decode_overhead_seconds(config, engine),
             "memory" if memory_seconds >= compute_seconds_ else "compute", experts_touched)
 
 
@@ -420,7 +444,9 @@ def report_rows(report: CostReport) -> list[tuple[str, str, str]]:
         ("decode batch per engine", f"{report.decode_batch}",
          f"KV memory allows {report.decode_batch_memory_cap}"),
         ("decode step", f"{report.decode_step_seconds * 1e3:.2f} ms",
-         f"{report.decode_bound}-bound"
+         f"{report.decode_bound}-bound, "
+         f"{decode_overhead_seconds(c, report.generator_devices_per_instance) * 1e3:.2f} ms "
+         "fixed"
          + (f"; {report.experts_touched_fraction:.1%} experts read" if c.num_experts else "")),
         ("decode tokens/s per device", f"{report.decode_tokens_per_second_per_device:,.0f}", ""),
         ("decode device-hours / step", f"{report.decode_device_seconds / 3600:.3f}",

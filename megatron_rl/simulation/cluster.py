@@ -76,6 +76,12 @@ class SimulationSettings:
     # machine's hard limit of 20,000 open files allows ~9,000 requests in flight otherwise).
     engines_in_child_process: bool = False
     record_requests: bool = False  # EngineSettings.record_requests (per-token version checks)
+    # Before each train step, recompute the old policy's log-probs over the batch (a forward
+    # pass: TrainerTiming.score_seconds, 2N a token at train_mfu), as a baseline that does not
+    # trust the rollout's log-probs runs one (verl's colocated trainer: its old_log_prob phase).
+    # This project's driver uses the rollout's log-probs, so only a simulated published
+    # baseline sets it (benchmarks/simulated_anchors.py).
+    recompute_old_logprobs: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -511,7 +517,7 @@ class SimulatedTrainerGroup:
     def _sleep(self, what: str, model_seconds: float) -> None:
         """Sleep `model_seconds` of model time; a lost trainer node ends it (TrainerFailure, as
         a Ray actor's death does to the real group's call)."""
-        self.modelled_s[what] += model_seconds
+        self.modelled_s[what] = self.modelled_s.get(what, 0.0) + model_seconds  # +old_logprob
         end = time.monotonic() + self.cluster.clock.wall_delay(model_seconds)
         while True:
             self._raise_if_node_lost(what)
@@ -550,6 +556,8 @@ class SimulatedTrainerGroup:
             self._check_engines_idle("begins")
             began, busy = self.cluster.clock.now(), self._engines_busy_s()
             self._sleep("offload", offload_seconds(self.timing))  # optimizer state back
+        if self.cluster.settings.recompute_old_logprobs:
+            self._sleep("old_logprob", self.timing.score_seconds(num_tokens * g))
         self._sleep("train", self.timing.train_step_seconds(num_tokens * g))
         if colocated:
             self._sleep("offload", offload_seconds(self.timing))  # and to the host again

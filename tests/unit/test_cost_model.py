@@ -37,7 +37,8 @@ def test_small_dense_config_by_hand():
     # context 100 + 1000/2 = 600 tokens; batch 16 (memory would allow far more).
     assert r.generator_devices_per_instance == 1 and r.decode_batch == 16
     assert r.decode_batch_memory_cap == math.floor((80e9 * 0.85 - 2e9 * 1.2) / (2048 * 600))
-    step = (2e9 + 16 * 2048 * 600) / (h100_bw * 0.5)  # weights + KV read per step
+    # Weights + KV read per step, plus the fixed cost: 4 layers x 99.1 us (one device: no TP).
+    step = (2e9 + 16 * 2048 * 600) / (h100_bw * 0.5) + 4 * 99.1e-6
     assert r.decode_bound == "memory"
     assert r.decode_step_seconds == pytest.approx(step)
     assert r.decode_device_seconds == pytest.approx(8 * 1000 / 16 * step)
@@ -62,8 +63,9 @@ def test_moe_uses_active_params_for_flops_and_reads_touched_experts():
     kv = 2 * 48 * 8 * 128 * 2 * (512 + 6000)
     gb200 = ACCELERATORS["GB200"]
     engine = single.generator_devices_per_instance
+    assert engine == 4  # fixed cost: 48 layers x (99.1 us + 21.7 us of TP all-reduces)
     assert single.decode_step_seconds == pytest.approx(
-        (17e9 * 2 + kv) / (engine * gb200.hbm_gb_per_s * 1e9 * 0.6))
+        (17e9 * 2 + kv) / (engine * gb200.hbm_gb_per_s * 1e9 * 0.6) + 48 * 120.8e-6)
 
 
 def test_min_devices_hold_the_model_copies():

@@ -41,9 +41,11 @@ def test_paper_8b_on_h100_by_hand():
     engine = EngineTiming(model=model, profile=profile)
     weights = 8.03e9 * 2
     kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, bf16
-    # Batch 1, 1000 tokens of context: weights + KV read at 60% of HBM bandwidth.
+    # Batch 1, 1000 tokens of context: weights + KV read at 60% of HBM bandwidth, plus the
+    # step's fixed cost, 32 layers x 99.1 us (a one-device engine: no TP term).
+    assert engine.devices_per_engine == 1
     assert engine.decode_step_seconds(1, 1000) == pytest.approx(
-        (weights + 1000 * kv_per_token) / (3.35e12 * 0.6))
+        (weights + 1000 * kv_per_token) / (3.35e12 * 0.6) + 32 * 99.1e-6)
     assert engine.prefill_seconds(4096) == pytest.approx(2 * 8.03e9 * 4096 / (989.5e12 * 0.5))
     assert engine.kv_capacity_tokens == int((80e9 * 0.85 - weights * 1.2) // kv_per_token)
     assert engine.weight_load_seconds(1e9) == pytest.approx(1e9 / (50e9 * 0.8))
