@@ -80,7 +80,9 @@ class WeightSyncSettings:
     # attempt they hold a partial load and are failed (never continued on it).
     update_attempts: int = 3
     disk_dir: str | None = None  # disk transport: where the HF folder is written
-    hf_config_dir: str | None = None  # disk transport: config.json and tokenizer to copy
+    # disk transport: config.json and tokenizer to copy (those of the folder the generators
+    # serve: with quantization_config set, the run's FP8 copy)
+    hf_config_dir: str | None = None
     # The served config's quantization_config (fp8.served_quantization_config) when the
     # generators serve FP8: the sync quantises what they hold in FP8. None: nothing quantised.
     quantization_config: dict | None = None
@@ -107,10 +109,17 @@ class WeightSyncSettings:
         """From megatron_rl.config's RunConfig: its weight_sync section, and rollout.dtype as
         the generators' dtype (auto: the trainer's), rollout.precision / fp8_* as the served
         quantization_config. `hf_config_dir` (the HF checkpoint the generators started from) is
-        needed by the disk transport."""
+        needed by the disk transport; served in FP8, the generators started from the run's FP8
+        copy of it, whose config.json (with the quantization_config the FP8 weights and scales
+        written need) the disk folder takes instead (DiskTransport)."""
+        from megatron_rl.cluster.served_checkpoint import SERVED_DIR
         from megatron_rl.weight_sync.fp8 import served_quantization_config
 
         section = run.weight_sync
+        quantization_config = served_quantization_config(run.rollout)
+        if quantization_config is not None and hf_config_dir is not None:
+            # launch.py points the engines at served_model_dir's copy: output_dir/served_fp8.
+            hf_config_dir = os.path.join(run.output_dir, SERVED_DIR)
         dtype = None if run.rollout.dtype == "auto" else getattr(torch, run.rollout.dtype)
         disk_dir = section.disk_dir or os.path.join(run.output_dir, "weight_sync")
         return cls(transport=section.transport, bucket_bytes=section.bucket_mb * 2**20,
@@ -118,7 +127,7 @@ class WeightSyncSettings:
                    else section.pause_mode, timeout_s=section.timeout_s,
                    update_attempts=section.update_attempts, disk_dir=disk_dir if section.transport == "disk" else None,
                    hf_config_dir=hf_config_dir,
-                   quantization_config=served_quantization_config(run.rollout), **fields)
+                   quantization_config=quantization_config, **fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

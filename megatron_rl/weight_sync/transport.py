@@ -296,7 +296,11 @@ class DiskTransport(Transport):
     written) asks the generators to load it.
 
     Every stage writes its own safetensors file into `directory`; `config_dir` supplies
-    config.json (and the rest of the HF side files)."""
+    config.json (and the rest of the HF side files): the folder the generators serve, so that
+    with rollout.precision=fp8 it is the served FP8 copy, whose config.json carries the
+    `quantization_config` the written FP8 weights and scales need. (SGLang itself keeps the
+    config it started with on a reload: weight_updater.py `update_weights_from_disk` only swaps
+    `model_config.model_path`; the folder must still describe what it holds.)"""
 
     def __init__(self, generators: Sequence[Generator], *, directory: str, config_dir: str,
                  stage: int, timeout_s: float):
@@ -322,6 +326,13 @@ class DiskTransport(Transport):
             if side_file.is_file() and not side_file.name.startswith("model") \
                     and side_file.suffix != ".safetensors":
                 shutil.copy(side_file, self.directory / side_file.name)
+        fp8 = [n for n, t in self._tensors.items() if t.dtype == torch.float8_e4m3fn]
+        config = json.loads((self.directory / "config.json").read_text())
+        if fp8 and "quantization_config" not in config:
+            raise ValueError(
+                f"weight sync (disk): {len(fp8)} FP8 tensors (e.g. {fp8[0]}) but "
+                f"{self.config_dir}/config.json has no quantization_config: pass the served FP8 "
+                "copy (cluster/served_checkpoint.py), not the bf16 checkpoint, as config_dir")
         save_file(self._tensors, str(self.directory / f"model-stage{self.stage:03d}.safetensors"),
                   metadata={"format": "pt", "version": json.dumps(version)})
         self._tensors = {}

@@ -55,6 +55,22 @@ def tiny_llama_checkpoint(directory: Path) -> Path:
     return directory
 
 
+def tiny_llama4_checkpoint(directory: Path) -> Path:
+    """The tiny Llama-4 MoE (models/llama4 size "tiny") of tools/make_tiny_checkpoint.py, random,
+    with its tokenizer, re-saved in bf16 in the layout SGLang serves Llama-4 from
+    (models/llama4/convert.py write_sglang_layout: its Llama4ForConditionalGeneration loader
+    un-fuses the experts and permutes q/k) in `directory`."""
+    subprocess.run([sys.executable, "tools/make_tiny_checkpoint.py", str(directory / "init"),
+                    "--family", "llama4"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    # megatron_rl first: it patches what megatron-core's import needs here (platform/).
+    subprocess.run([sys.executable, "-c", "import sys, torch, megatron_rl.platform; from "
+                    "models.llama4.convert import write_sglang_layout; write_sglang_layout("
+                    "sys.argv[1], sys.argv[2], dtype=torch.bfloat16)", str(directory / "init"),
+                    str(directory / "model")], cwd=ROOT, check=True, capture_output=True,
+                   timeout=300)
+    return directory / "model"
+
+
 def run_train(args: list[str], *, timeout: float) -> tuple[int, str, str, int]:
     """`python -m megatron_rl.cli train ARGS` in the repository -> (return code, stdout, stderr,
     driver pid)."""

@@ -193,3 +193,47 @@ def test_the_engines_load_the_checkpoint_or_its_fp8_copy_by_rollout_precision(tm
     assert served == str((tmp_path / "run" / "served_fp8").resolve())
     assert json.loads((tmp_path / "run" / "served_fp8" / "config.json").read_text())[
         "quantization_config"] == {**BLOCK, "scale_fmt": "ue8m0"}
+
+
+def test_the_disk_sync_folder_takes_the_served_copys_config(tmp_path):
+    # weight_sync.transport=disk writes each update into an HF folder with the side files of
+    # hf_config_dir. Served in FP8 the update is FP8 weights and scales: the folder's config.json
+    # must be the served copy's (with its quantization_config), not the bf16 checkpoint's.
+    from megatron_rl.rollout.types import TensorSpec
+    from megatron_rl.weight_sync import WeightSyncSettings
+    from megatron_rl.weight_sync.buckets import Bucket
+    from megatron_rl.weight_sync.transport import DiskTransport
+
+    _source(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(
+        {"architectures": ["Llama4ForCausalLM"], **TINY_LLAMA4}))
+    cfg = load_config(None, ["model.name=llama4", f"model.hf_checkpoint={tmp_path / 'hf'}",
+                             f"output_dir={tmp_path / 'run'}", "rollout.precision=fp8",
+                             "rollout.fp8_block_size=16", "weight_sync.transport=disk"])
+    served = write_fp8_checkpoint(tmp_path / "hf", tmp_path / "run" / "served_fp8",
+                                  fp8.served_quantization_config(cfg.rollout))
+    settings = WeightSyncSettings.from_run_config(cfg, hf_config_dir=str(tmp_path / "hf"))
+    assert settings.hf_config_dir == str(served)
+    weight, scale = fp8.quantize_blockwise(torch.randn(32, 32), (16, 16))
+    name = "language_model.model.layers.0.self_attn.o_proj.weight"
+    tensors = {name: weight, name + "_scale_inv": scale}
+    specs = tuple(TensorSpec(name=n, dtype=t.dtype, shape=tuple(t.shape))
+                  for n, t in tensors.items())
+    bucket = Bucket(specs=specs, data=torch.cat([t.reshape(-1).view(torch.uint8)
+                                                 for t in tensors.values()]))
+
+    def write(config_dir, directory):
+        transport = DiskTransport([], directory=str(directory), config_dir=config_dir, stage=0,
+                                  timeout_s=1.0)
+        transport.send(bucket, version=1, flush_cache=False)
+        transport.finish(version=1)
+        return directory
+
+    folder = write(settings.hf_config_dir, tmp_path / "sync")
+    assert json.loads((folder / "config.json").read_text()) == json.loads(
+        (served / "config.json").read_text())
+    assert json.loads((folder / "config.json").read_text())["quantization_config"] == BLOCK
+    assert _bits(load_file(folder / "model-stage000.safetensors")[name]).equal(_bits(weight))
+    # The bf16 checkpoint's config.json under FP8 tensors is refused, naming the fix.
+    with pytest.raises(ValueError, match="no quantization_config: pass the served FP8 copy"):
+        write(str(tmp_path / "hf"), tmp_path / "sync_bf16")
