@@ -278,14 +278,44 @@ def check_served_checkpoint(directory: str, *, name: str = "model.hf_checkpoint"
 FP8_SERVED_FAMILIES = ("llama", "llama4", "qwen3_moe")
 
 
+def _fp8_partition_sizes(text: dict, tp_size: int, ep_size: int) -> list[int]:
+    """The shard sizes SGLang requires to be multiples of the FP8 block, by the planner's own
+    rule (megatron_rl.scaling.plan.fp8_partition_sizes), for the HF text config of a Llama-4 or
+    Qwen3-MoE model (transformers' defaults where a key is absent: Llama4TextConfig,
+    Qwen3MoeConfig). Raises ValueError where the heads or widths do not split over TP."""
+    from megatron_rl.scaling.plan import Architecture, fp8_partition_sizes
+
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    if text.get("model_type") == "llama4_text":  # every expert layer has a shared expert
+        experts, expert_width = text.get("num_local_experts", 16), text["intermediate_size"]
+        shared, dense = expert_width, text.get("intermediate_size_mlp", 0)
+        all_moe = text.get("interleave_moe_layer_step", 1) == 1 and not text.get("moe_layers")
+    else:  # qwen3_moe
+        experts, expert_width = text.get("num_experts", 128), text.get("moe_intermediate_size",
+                                                                        768)
+        shared, dense = 0, text.get("intermediate_size", 0)
+        all_moe = text.get("decoder_sparse_step", 1) == 1 and not text.get("mlp_only_layers")
+    pattern = (1,) if all_moe else (1, 0)
+    arch = Architecture(num_layers=len(pattern), hidden_size=text["hidden_size"],
+                        num_attention_heads=heads,
+                        num_query_groups=text.get("num_key_value_heads") or heads,
+                        head_dim=head_dim, ffn_hidden_size=dense, vocab_size=0,
+                        num_experts=experts, moe_ffn_hidden_size=expert_width,
+                        shared_expert_size=shared, moe_layer_pattern=pattern)
+    sizes = fp8_partition_sizes(arch, tp_size=tp_size, ep_size=math.gcd(ep_size, tp_size))
+    return list(sizes.values())
+
+
 def fp8_serving_problem(family: str, hf_config: dict, block_size: int | None,
-                        tp_size: int) -> str | None:
+                        tp_size: int, ep_size: int = 1) -> str | None:
     """Why rollout.precision=fp8 cannot serve this model, in one line (None: it can). SGLang
     0.5.23's FP8 layers (srt/layers/quantization/fp8.py `validate_block_quant_shapes`,
     `create_fp8_moe_weight_`) refuse a block size that does not divide each fused projection's
-    shards per TP rank (q / k / v, gate / up, the experts' intermediate size) and each
-    row-parallel input; Llama-4's loader needs blocks of whole heads (weight_sync/fp8.py
-    check_llama4_block_rows). The message names the block sizes that would work."""
+    shards per TP rank (q / k / v, gate / up, the experts' intermediate size per MoE-TP rank)
+    and each row-parallel input (the planner's rule: _fp8_partition_sizes); Llama-4's loader
+    needs blocks of whole heads (weight_sync/fp8.py check_llama4_block_rows). The message names
+    the block sizes that would work."""
     if family not in FP8_SERVED_FAMILIES:
         return (f"rollout.precision: fp8 is not available for model family {family!r} (its "
                 "tensors SGLang holds in FP8 are checked for "
@@ -298,13 +328,12 @@ def fp8_serving_problem(family: str, hf_config: dict, block_size: int | None,
                 "(models/llama.py LlamaForCausalLM._legacy_load_weights) and so drops block "
                 "scales; use rollout.fp8_block_size=null (per-tensor scales)")
     text = hf_config.get("text_config") or hf_config
-    heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads") or \
-        text["num_attention_heads"]
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    # Per TP rank; SGLang replicates KV heads over ranks when there are fewer than tp_size.
-    sizes = [heads * head_dim // tp_size, max(kv_heads // tp_size, 1) * head_dim]
-    sizes += [text[key] // tp_size for key in ("intermediate_size", "intermediate_size_mlp",
-                                                "moe_intermediate_size") if text.get(key)]
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    try:
+        sizes = _fp8_partition_sizes(text, tp_size, ep_size)
+    except ValueError as err:
+        return (f"rollout.tp_size: {tp_size} cannot serve this {family} model: {err}; choose a "
+                "rollout.tp_size dividing it")
     whole_heads = text.get("model_type") == "llama4_text"
     fits = [b for b in (128, 64, 32, 16, 8, 4, 2, 1) if all(size % b == 0 for size in sizes)
             and (not whole_heads or b % head_dim == 0)]
@@ -991,7 +1020,7 @@ def _check_fp8_serving(cfg: "RunConfig") -> None:
              "rollout.dtype=bfloat16")
     if cfg.model.name not in FP8_SERVED_FAMILIES or hf_config is not None:
         problem = fp8_serving_problem(cfg.model.name, hf_config or {}, cfg.rollout.fp8_block_size,
-                                      cfg.rollout.tp_size)
+                                      cfg.rollout.tp_size, cfg.rollout.ep_size)
         _require(problem is None, problem or "")
 
 

@@ -66,16 +66,17 @@ transformers, converted with megatron_rl.convert, served by SGLang from the layo
    backward and its peak, against the planner's per-layer figure
    (megatron_rl.scaling.plan.layer_activation_bytes).
 6. fp8_serving (rollout.precision=fp8, issue 40): the tiny Llama-4 served FP8 by an SGLang engine
-   (block-wise e4m3, the largest block of FP8_BLOCK_SIZES the planner accepts for it; the served
-   folder's FP8 tensors quantised by weight_sync/fp8.py), a bf16 train step, the weight sync
-   quantising into the engine (in-memory transport), then the per-token |logp_engine -
-   logp_trainer|, printed with its bound (FP8_MISMATCH_BOUND). Skipped with one line where
+   (block-wise e4m3, the largest block of FP8_BLOCK_SIZES the planner accepts for it; the FP8
+   copy written by the run's own writer, cluster/served_checkpoint.py), a bf16 train step, the
+   weight sync quantising into the engine (in-memory transport), then the per-token
+   |logp_engine - logp_trainer|, printed with its bound (FP8_MISMATCH_BOUND). Skipped with one line where
    SGLang is not importable. Its configuration part (also the dry run's): SGLang's own
    Fp8Config reads the served quantization_config (weight_sync/fp8.py
    served_quantization_config); the weight sync's own quantiser and bucket plan, built as
    WeightSync builds them from the stage's settings, quantise a random bf16 copy of every tensor
    SGLang holds in FP8, each as planned and within FP8's bound, and the plan's bytes equal the
-   planner's for the engine.
+   planner's for the engine; where the tiny model's weights are written (--cpu, GPU), the run's
+   FP8 copy of them holds every tensor the sync writes under its name, dtype and shape.
 
 Each stage has a time budget (STAGE_BUDGET_S, 600 s in all) and its pass criteria (tolerances
 below). Output: one JSON line per stage, written as the stage ends ({"stage", "index", "status":
@@ -1179,10 +1180,49 @@ def check_fp8_serving(ctx: Context) -> dict:
     expect(list(sglang_config.weight_block_size or []) == config.get("weight_block_size", []),
            f"SGLang's Fp8Config reads weight_block_size {sglang_config.weight_block_size} from "
            f"{config}", result)
-    return quantiser_check(served, result)
+    copy = None
+    if ctx.model is not None and ctx.model.megatron_dir is not None:  # the weights are written
+        from megatron_rl.cluster.served_checkpoint import SERVED_DIR, write_fp8_checkpoint
+
+        copy = write_fp8_checkpoint(ctx.model.served_dir, ctx.work / SERVED_DIR, config)
+    return quantiser_check(served, result, copy=copy)
 
 
-def quantiser_check(served: dict, result: dict) -> dict:
+def served_copy_check(copy: Path, quantization_config: dict, specs: dict, result: dict) -> None:
+    """The run's FP8 copy of the demo model (cluster/served_checkpoint.py write_fp8_checkpoint,
+    what the FP8 engine starts from): its config.json holds the served quantization_config, and
+    every tensor the sync's bucket plan (`specs`) writes is in it under the same name, dtype and
+    shape (the copy's names under the layout's "language_model." prefix, which SGLang's loader
+    drops): the engine loads from the copy the parameters the sync later writes into."""
+    from safetensors import safe_open
+
+    from models.llama4.convert import hf_weight_prefix
+
+    config = json.loads((copy / "config.json").read_text())
+    prefix = hf_weight_prefix(config)
+    copied = {}
+    for path in sorted(copy.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                copied[name.removeprefix(prefix)] = (tensor.get_dtype(),
+                                                     tuple(tensor.get_shape()))
+    planned = {name: (str(spec.dtype), spec.shape) for name, spec in specs.items()}
+    dtype_names = {"torch.float8_e4m3fn": "F8_E4M3", "torch.float32": "F32",
+                   "torch.bfloat16": "BF16"}  # safetensors' names of the dtypes
+    differ = sorted(n for n, (dtype, shape) in planned.items()
+                    if copied.get(n) != (dtype_names.get(dtype, dtype), tuple(shape)))
+    result["served_copy"] = {"tensors": len(copied), "fp8": sum(
+        d == "F8_E4M3" for d, _ in copied.values())}
+    written = config.get("quantization_config")
+    expect(written == quantization_config, f"the served copy's config.json holds "
+           f"quantization_config {written}, not {quantization_config}", result)
+    expect(not differ, f"the served copy ({copy}) holds "
+           f"{[(n, copied.get(n)) for n in differ[:4]]} where the sync writes "
+           f"{[(n, planned[n]) for n in differ[:4]]}", result)
+
+
+def quantiser_check(served: dict, result: dict, *, copy: Path | None = None) -> dict:
     """The weight sync's FP8 path on the demo model, as WeightSync builds it from
     `fp8_sync_settings` (weight_sync/fp8.py SyncQuantiser over the mapping's HF names, its
     bucket plan by weight_sync/plan.py plan_buckets): the quantiser on a random bf16 copy of
@@ -1254,31 +1294,9 @@ def quantiser_check(served: dict, result: dict) -> dict:
     expect(not any(k in n for n in quantiser.quantised for k in ("router", "embed", "lm_head",
                                                                    "norm")),
            "a router, embedding, LM head or norm would be quantised", result)
+    if copy is not None:
+        served_copy_check(copy, served["quantization_config"], specs, result)
     return result
-
-
-def write_fp8_served(model: TinyModel, quantization_config: dict, target: Path) -> Path:
-    """The served folder with its FP8 tensors quantised (SGLang's FP8 checkpoint layout) and
-    quantization_config in config.json: what an FP8 engine starts from."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from megatron_rl.weight_sync.fp8 import SyncQuantiser
-
-    shutil.copytree(model.served_dir, target, ignore=shutil.ignore_patterns("*.safetensors*"))
-    state = {}
-    for path in sorted(model.served_dir.glob("*.safetensors")):
-        state.update(load_file(path))
-    quantiser = SyncQuantiser(quantization_config, state)
-    out = {}
-    for name, tensor in state.items():
-        out.update(quantiser.quantize(name, tensor) or {name: tensor})
-    save_file({k: v.contiguous() for k, v in out.items()}, target / "model.safetensors")
-    config = json.loads((model.served_dir / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (target / "config.json").write_text(json.dumps(config))
-    return target
 
 
 def stage_fp8_serving(ctx: Context) -> dict:
@@ -1288,6 +1306,7 @@ def stage_fp8_serving(ctx: Context) -> dict:
 
     if importlib.util.find_spec("sglang") is None:
         return {"skipped": "SGLang is not importable here: no FP8 engine to serve"}
+    from megatron_rl.cluster.served_checkpoint import SERVED_DIR, write_fp8_checkpoint
     from megatron_rl.weight_sync import WeightSync
 
     result = check_fp8_serving(ctx)
@@ -1295,7 +1314,9 @@ def stage_fp8_serving(ctx: Context) -> dict:
     if refusal := chunked_attention_refusal(ctx):
         return {**result, "refused": refusal}
     config = result["quantization_config"]
-    served = write_fp8_served(model, config, ctx.work / "tiny_llama4_sglang_fp8")
+    # The FP8 copy the engine starts from, written by the run's own writer (cluster/launch.py
+    # served_model_dir), so the GPU serves exactly what a run with rollout.precision=fp8 serves.
+    served = write_fp8_checkpoint(model.served_dir, ctx.work / SERVED_DIR, config)
     from megatron_rl.rollout import SGLangGenerator
 
     generator = SGLangGenerator.launch(dc.replace(

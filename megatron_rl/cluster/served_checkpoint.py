@@ -115,22 +115,17 @@ class _Quantiser:
         out = {}
         with safe_open(str(source), framework="pt") as handle:
             names = list(handle.keys())
-            quantised = self.fp8.fp8_quantized(self.quantization_config, names)
+            # The sync's own step (fp8_quantized, Llama-4's experts unfused, quantize_named).
+            quantiser = self.fp8.SyncQuantiser(self.quantization_config, names)
             for name in names:
                 tensor = handle.get_tensor(name)
-                if name not in quantised:
-                    out[name] = tensor
-                    continue
-                pieces = {name: tensor}
-                if name.rpartition(".")[2] != "weight":  # Llama-4's fused experts
-                    if not self.llama4:
-                        raise ValueError(f"{source.name}: {name} is a fused expert tensor of "
-                                         "a model that is not Llama-4; only Llama-4's fused "
-                                         "layout is known here (others store experts one by "
-                                         "one: `experts.{e}.gate_proj.weight`)")
-                    pieces = self.fp8.unfuse_llama4_experts(name, tensor)
-                for piece_name, piece in pieces.items():
-                    out.update(self.fp8.quantize_named(piece_name, piece, self.layout))
+                if name in quantiser.quantised and name.rpartition(".")[2] != "weight" \
+                        and not self.llama4:  # a fused expert tensor
+                    raise ValueError(f"{source.name}: {name} is a fused expert tensor of "
+                                     "a model that is not Llama-4; only Llama-4's fused "
+                                     "layout is known here (others store experts one by "
+                                     "one: `experts.{e}.gate_proj.weight`)")
+                out.update(quantiser.quantize(name, tensor) or {name: tensor})
         save_file({n: t.contiguous() for n, t in out.items()}, str(target),
                   metadata={"format": "pt"})
         return list(out)

@@ -1,6 +1,7 @@
 """tools/gpu_smoke.py on CPU. `--dry-run --cpu` writes one JSON record per stage, in the stage
 order, every stage's configuration checked (stage 6: the FP8 engine's layout through SGLang's
-Fp8Config, the weight sync's own quantiser and bucket plan against the planner): the FP8 recipes
+Fp8Config, the weight sync's own quantiser and bucket plan against the planner, the run's FP8
+copy of the weights holding what the sync writes): the FP8 recipes
 pad every micro-batch (the padding one too) to their token alignment, SGLang's own parser takes
 both servers' arguments, the in-memory sync's buckets are small enough to reuse buffers, the
 trainer environment of the colocated hand-over has no expandable segments, and the Scout MoE
@@ -106,3 +107,6 @@ def test_dry_run_on_cpu_checks_every_stage_and_runs_the_trainer(tmp_path):
     assert fp8_serving["sglang_weight_block_size"] == [64, 64]  # 2 KV heads of 32
     assert fp8_serving["fp8_bytes"] == fp8_serving["planner"]["fp8"] > 0
     assert fp8_serving["sync_bytes"] == fp8_serving["planner"]
+    # The run's FP8 copy (cluster/served_checkpoint.py) of stage 2's weights holds what the sync
+    # writes: FP8 per layer q, k, v, o, the shared expert's 3 and 4 experts x 3, over 4 layers.
+    assert fp8_serving["served_copy"]["fp8"] == 4 * (4 + 3 + 4 * 3)

@@ -133,8 +133,9 @@ TINY_LLAMA4 = {"model_type": "llama4_text", "num_attention_heads": 4, "num_key_v
 
 
 def test_fp8_serving_problem_names_a_block_that_fits():
-    # Shards of the tiny Llama-4: q 64, k/v 32, experts 32, dense MLP 96 -> 32 divides all
-    # and holds whole heads (head_dim 16); 128 does not divide them (SGLang raises at load).
+    # Shards of the tiny Llama-4 (16 experts, every layer MoE: transformers' defaults): q 64,
+    # k/v 32, shared expert and experts 32 -> 32 divides all and holds whole heads (head_dim
+    # 16); 128 does not divide them (SGLang raises at load).
     problem = fp8_serving_problem("llama4", TINY_LLAMA4, 128, 1)
     assert problem.startswith("rollout.fp8_block_size: 128 cannot serve this llama4 model")
     assert "use rollout.fp8_block_size=32 or null" in problem
@@ -145,6 +146,13 @@ def test_fp8_serving_problem_names_a_block_that_fits():
     # TP 2 halves the shards: k/v 16 per rank, experts 16 -> only 16 fits.
     assert "rollout.fp8_block_size=16 or" in fp8_serving_problem("llama4", TINY_LLAMA4, 32, 2)
     assert "not available for model family 'mamba'" in fp8_serving_problem("mamba", {}, 128, 1)
+    # The planner's rule (scaling/plan.py fp8_partition_sizes): the dense MLP's width counts
+    # only where a layer is dense (every other one here: 80 rows -> 16, not 32).
+    dense_80 = {**TINY_LLAMA4, "intermediate_size_mlp": 80}
+    assert fp8_serving_problem("llama4", dense_80, 32, 1) is None
+    assert "rollout.fp8_block_size=16 or" in fp8_serving_problem(
+        "llama4", {**dense_80, "interleave_moe_layer_step": 2}, 32, 1)
+    assert "not divisible by 3" in fp8_serving_problem("llama4", TINY_LLAMA4, 16, 3)
     # SGLang's Llama loader drops block scales (renames weight_scale_inv): per-tensor only.
     assert "drops block scales" in fp8_serving_problem("llama", {}, 16, 1)
     assert fp8_serving_problem("llama", {}, None, 1) is None
