@@ -31,26 +31,28 @@ BLOCK16_SCALES = 4 * (16 + 8 + 8 + 16 + 32 + 32 + 32)
 
 
 def _tiny(*overrides):
-    return load_config(TINY, ["rollout.precision=fp8", *overrides])
+    # bf16 generators: SGLang's FP8 layers take bf16 / fp16 activations (config refuses fp32).
+    return load_config(TINY, ["rollout.precision=fp8", "rollout.dtype=bfloat16", *overrides])
 
 
 def test_tiny_llama_engine_weights_and_freed_kv_by_hand():
-    bf16 = plan.plan_run(load_config(TINY), hardware="h100")
+    # Both in bf16 generators (FP8 needs bf16 activations; the recipe's own are float32).
+    bf16 = plan.plan_run(load_config(TINY, ["rollout.dtype=bfloat16"]), hardware="h100")
     fp8 = plan.plan_run(_tiny("rollout.fp8_block_size=16"), hardware="h100")
     assert FP8_ELEMENTS + HIGH_ELEMENTS == 180800  # every parameter, once
-    assert bf16.generator.components["weights"] == 180800 * 4  # float32 generators
+    assert bf16.generator.components["weights"] == 180800 * 2
     weights = {k: v for k, v in fp8.generator.components.items() if k.startswith("weights")}
     assert weights == {"weights: FP8 (e4m3)": FP8_ELEMENTS,
                        "weights: FP8 scales (FP32)": BLOCK16_SCALES * 4,
-                       "weights: high precision": HIGH_ELEMENTS * 4}
-    # The KV cache (K and V, 4 layers, 2 heads of 16, float32) gets what the weights free.
+                       "weights: high precision": HIGH_ELEMENTS * 2}
+    # The KV cache (K and V, 4 layers, 2 heads of 16, bf16) gets what the weights free.
     run = load_config(TINY)
-    kv_per_sequence = 2 * 4 * 2 * 16 * 4 * run.rollout.max_sequence_tokens
+    kv_per_sequence = 2 * 4 * 2 * 16 * 2 * run.rollout.max_sequence_tokens
     budget = 0.05 * 80e9  # mem_fraction_static x H100
     assert fp8.generator.kv_bytes_per_sequence == kv_per_sequence
-    assert bf16.generator.max_concurrency == int((budget - 180800 * 4) // kv_per_sequence)
+    assert bf16.generator.max_concurrency == int((budget - 180800 * 2) // kv_per_sequence)
     assert fp8.generator.max_concurrency == int(
-        (budget - FP8_ELEMENTS - BLOCK16_SCALES * 4 - HIGH_ELEMENTS * 4) // kv_per_sequence)
+        (budget - FP8_ELEMENTS - BLOCK16_SCALES * 4 - HIGH_ELEMENTS * 2) // kv_per_sequence)
     assert fp8.generator.max_concurrency > bf16.generator.max_concurrency
     assert any(note.startswith("rollout.precision=fp8: weights") for note in fp8.notes)
     # Per-tensor scales: one float32 per quantised tensor (7 per layer).
@@ -164,7 +166,7 @@ def test_cost_and_simulation_read_rollout_precision():
 
 def test_cli_plan_takes_overrides(capsys):
     assert cli.main(["plan", str(TINY), "--hardware", "h100", "rollout.precision=fp8",
-                     "rollout.fp8_block_size=16"]) == 0
+                     "rollout.fp8_block_size=16", "rollout.dtype=bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "weights: FP8 (e4m3)" in out and "quantising to FP8" in out
     # Scout's FP8 weights (~102 GiB with scales and high-precision tensors) fit half of 0.85 x
