@@ -206,9 +206,12 @@ def mismatch_sums(train_logp: torch.Tensor, gen_logp: torch.Tensor, sample_index
     sequence_dropped = (torch.zeros_like(mask) if sequence_kept is None
                         else ~sequence_kept)[mask]
     edges = LOG_RATIO_EDGES.to(log_ratio.device)
-    bins = torch.bucketize(log_ratio, edges) - 1  # edges[b] < log r <= edges[b + 1]
+    # A NaN log-prob (a non-finite step, which the trainer skips and counts) has no bin: it makes
+    # the k1 / k3 sums NaN and stays out of the histogram (bucketize would put it past the end).
+    binned = log_ratio[~torch.isnan(log_ratio)]
+    bins = torch.bucketize(binned, edges) - 1  # edges[b] < log r <= edges[b + 1]
     histogram = torch.zeros(len(edges) - 1, dtype=torch.float64, device=log_ratio.device)
-    histogram.index_add_(0, bins, torch.ones_like(log_ratio))
+    histogram.index_add_(0, bins, torch.ones_like(binned))
     named = torch.stack([
         torch.tensor(float(log_ratio.numel()), dtype=torch.float64, device=log_ratio.device),
         (-log_ratio).sum(),

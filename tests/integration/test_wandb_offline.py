@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -110,8 +111,16 @@ def test_an_offline_run_gets_the_scalars_the_config_and_the_curve_plot(tmp_path,
     runs = list((tmp_path / "wb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
     run_id = (out / "wandb_run_id").read_text().strip()
-    records = list(_wandb_records(runs[0] / f"run-{run_id}.wandb"))
-    rows = _history(records)
+    # wandb-core's writer may still be appending the last records when finish() returns on a
+    # loaded machine (CI once read a file without step 3's row): read until it holds them.
+    deadline = time.monotonic() + 120
+    while True:
+        records = list(_wandb_records(runs[0] / f"run-{run_id}.wandb"))
+        rows = _history(records)
+        if any(row.get("step") == 3 and "train/loss" in row for row in rows) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     at_3 = {tag: value for row in rows if row.get("step") == 3 for tag, value in row.items()
             if not tag.startswith("_") and tag != "step"}
     scalars = {tag: value for tag, value in at_3.items() if not isinstance(value, dict)}

@@ -193,3 +193,17 @@ def test_sums_keep_a_bf16_sized_mismatch_of_float32_logprobs():
     out = metrics_from_sums(mismatch_sums(train_logp, gen_logp, torch.zeros(4000, dtype=int)))
     assert out["mismatch/kl_k1"] == pytest.approx(float(-log_r.mean()), rel=1e-9, abs=0)
     assert out["mismatch/kl_k3"] == pytest.approx(float((log_r ** 2 / 2).mean()), rel=1e-4)
+
+
+def test_sums_of_a_non_finite_step_are_nan_not_an_error():
+    """A step whose log-probs are NaN (the trainer skips it and counts it: nan_loss chaos, the
+    dist non-finite test) gives NaN KL sums and leaves the NaN token out of the histogram;
+    bucketize would put it one bin past the end and the histogram's index_add raise."""
+    from megatron_rl.algorithms.mismatch import NUM_SUMS
+
+    train = torch.tensor([-1.0, float("nan"), -2.0])
+    gen = torch.tensor([-1.0, -1.0, -2.0])
+    sums = mismatch_sums(train, gen, torch.tensor([0, 0, 1]))
+    assert sums.shape == (NUM_SUMS,) and float(sums[0]) == 3  # every loss token counted
+    assert math.isnan(float(sums[1])) and math.isnan(float(sums[2]))
+    assert float(sums[6:].sum()) == 2  # the two finite tokens, in the bin around log r = 0
