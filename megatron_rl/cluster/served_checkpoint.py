@@ -25,7 +25,8 @@ import json
 import shutil
 from pathlib import Path
 
-SERVED_DIR = "served_fp8"
+from megatron_rl.weight_sync.fp8 import SERVED_FP8_DIR as SERVED_DIR
+
 KEY_FILE = "megatron_rl_served.json"  # the content key of a finished copy
 
 

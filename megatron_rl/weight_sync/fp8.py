@@ -246,6 +246,11 @@ def fp8_quantized(quantization_config: Mapping, param_names: Iterable[str]) -> s
     return quantised
 
 
+# The run's FP8 copy of its checkpoint, which the generators serve: output_dir/SERVED_FP8_DIR
+# (written by cluster/served_checkpoint.py; the disk transport takes its config.json).
+SERVED_FP8_DIR = "served_fp8"
+
+
 def served_quantization_config(rollout) -> dict | None:
     """The `quantization_config` of the config.json FP8-serving generators load, from a run's
     rollout settings (megatron_rl.config RolloutConfig, or anything with its `precision`,

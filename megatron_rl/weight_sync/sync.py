@@ -112,14 +112,13 @@ class WeightSyncSettings:
         needed by the disk transport; served in FP8, the generators started from the run's FP8
         copy of it, whose config.json (with the quantization_config the FP8 weights and scales
         written need) the disk folder takes instead (DiskTransport)."""
-        from megatron_rl.cluster.served_checkpoint import SERVED_DIR
-        from megatron_rl.weight_sync.fp8 import served_quantization_config
+        from megatron_rl.weight_sync.fp8 import SERVED_FP8_DIR, served_quantization_config
 
         section = run.weight_sync
         quantization_config = served_quantization_config(run.rollout)
         if quantization_config is not None and hf_config_dir is not None:
             # launch.py points the engines at served_model_dir's copy: output_dir/served_fp8.
-            hf_config_dir = os.path.join(run.output_dir, SERVED_DIR)
+            hf_config_dir = os.path.join(run.output_dir, SERVED_FP8_DIR)
         dtype = None if run.rollout.dtype == "auto" else getattr(torch, run.rollout.dtype)
         disk_dir = section.disk_dir or os.path.join(run.output_dir, "weight_sync")
         return cls(transport=section.transport, bucket_bytes=section.bucket_mb * 2**20,
