@@ -66,10 +66,19 @@ def write_fp8_checkpoint(source: str | Path, target: str | Path,
     config = json.loads((source / "config.json").read_text())
     quantiser = _Quantiser(config, quantization_config)
     weight_map = {}
+    from megatron_rl.console import notice, progress
+
+    shards = sorted(p for p in source.iterdir() if p.name.endswith(".safetensors"))
+    # Once per run (a resume reuses it), but long for a large model: Scout's ~200 GB are read,
+    # quantised on the CPU and written again before the engines can start.
+    notice(f"writing the generators' FP8 copy of {source} into {target} "
+           f"({sum(p.stat().st_size for p in shards) / 1e9:.1f} GB in {len(shards)} shard(s))")
+    for path in progress(shards, desc="FP8 copy", unit="shard", line_every_s=30):
+        for name in quantiser.write_shard(path, staging / path.name):
+            weight_map[name] = path.name
     for path in sorted(source.iterdir()):
         if path.name.endswith(".safetensors"):
-            for name in quantiser.write_shard(path, staging / path.name):
-                weight_map[name] = path.name
+            continue  # quantised above
         elif path.name == "config.json" or path.name.endswith(".safetensors.index.json"):
             continue  # written below
         elif path.is_file():
