@@ -57,6 +57,12 @@ breaks without it (CPU_STACK.md, verified by switching it off):
    (an assertion at load, `sgl_kernel` VNNI kernels in the forward). Their loaders and
    parameters stay; the matmul dequantises the fp8 weights with their scales and runs in the
    activation dtype. See megatron_rl/platform/sglang_fp8_cpu.py.
+14. No TP "memory balance" check on CPU (SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK=0): with
+   tp_size > 1 SGLang compares the smallest free memory over the ranks with this rank's, read a
+   moment later, and refuses to start when they differ by 10 %. On a GPU each rank reads its own
+   device; on CPU every rank reads the one machine's free RAM, so the check only measures what
+   other processes allocated between the two reads (CI once saw 9.21 GB against 10.28 GB while a
+   neighbouring test started, and a TP2/EP2 engine exited). The warning is still logged.
 """
 from __future__ import annotations
 
@@ -79,7 +85,9 @@ _applied = False
 
 def sglang_cpu_environment() -> dict[str, str]:
     """Environment variables an SGLang server process needs on a CPU-only machine."""
-    return {"SGLANG_USE_CPU_ENGINE": "1"}
+    return {"SGLANG_USE_CPU_ENGINE": "1",
+            # Fix 14: the ranks share one machine's RAM; the GPU-per-rank balance check is noise.
+            "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0"}
 
 
 def apply_sglang_cpu_fixes() -> bool:

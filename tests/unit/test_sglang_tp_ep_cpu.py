@@ -84,3 +84,23 @@ def test_fix9_expert_parallel_partial_sums_add_up_to_the_whole():
     # No local expert at all: zeros.
     none = wrapped(layer, x, TopK(weights, torch.full_like(ids, -1), None), None)
     assert torch.equal(none, torch.zeros_like(x))
+
+
+def test_fix14_cpu_ranks_share_one_ram_so_the_tp_memory_balance_check_is_off(monkeypatch):
+    """CI once lost a TP2/EP2 engine at start: rank 0 read 9.21 GB free, rank 1 read 10.28 GB a
+    moment later (a neighbouring test's memory moved), and SGLang's GPU-per-rank balance check
+    raised. The check is gated by an SGLang variable that the CPU environment turns off."""
+    import importlib.util
+    from pathlib import Path
+
+    from sglang.srt.environ import envs
+
+    srt = Path(importlib.util.find_spec("sglang").submodule_search_locations[0]) / "srt"
+    check = (srt / "distributed" / "bootstrap.py").read_text()
+    check = check[check.index("def _check_tp_memory_balance"):]
+    assert "envs.SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK.get()" in check.split("\ndef ")[0]
+    monkeypatch.delenv("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", raising=False)
+    assert envs.SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK.get() is True  # SGLang's default
+    for name, value in sglang_cpu.sglang_cpu_environment().items():
+        monkeypatch.setenv(name, value)
+    assert envs.SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK.get() is False
