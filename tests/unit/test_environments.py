@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from megatron_rl.data import reasoning_gym_prompts
+from megatron_rl.data import PromptRecord, reasoning_gym_prompts
 from megatron_rl.data.sources import PROCEDURAL_TASK_PREFIX
 from megatron_rl.environments import (
     EnvironmentRegistry,
@@ -154,6 +154,12 @@ def test_the_system_prompt_is_prepended(sandbox, rg_record):
         {"role": "system", "content": "Use <tool>code</tool>."},
         {"role": "user", "content": rg_record.prompt}]
     assert _tool_env(sandbox).initial_messages(rg_record) == rg_record.conversation
+    with_system = PromptRecord.with_prompt([{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "6 * 7?"}],
+                                           prompt_id="s", task=TOOL_TASK)
+    assert _tool_env(sandbox, settings).initial_messages(with_system) == [
+        {"role": "system", "content": "Use <tool>code</tool>.\n\nBe brief."},
+        {"role": "user", "content": "6 * 7?"}]
     with pytest.raises(ValueError, match="call_open"):
         ToolSettings(call_open="</tool>")
 
