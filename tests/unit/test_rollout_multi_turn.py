@@ -154,7 +154,7 @@ def test_the_turn_limit_makes_the_last_turn_final_and_a_length_cut_too():
 
 def test_budget_caps_the_turn_and_an_observation_that_does_not_fit_truncates_the_trajectory():
     # 6 tokens: turn 1 takes 3, the observation (OPEN 40) 2; turn 2 is capped at the 1 left.
-    script = Script(((10, 11, STOP), "stop", 0, None), ((20,), "length", 0, None))
+    script = Script(((10, 11, STOP), "stop", 0, None), ((20,), "stop", 0, None))
     session = Session(observe("40"), done())
     sample, _ = run(script, session, settings(max_trajectory_tokens=6))
     assert [r[1] for r in script.requests] == [6, 1]
@@ -213,6 +213,12 @@ def test_forced_interruption_inside_a_turn():
     assert sample.loss_mask == (1,) * 5 + (0, 0) + (1, 1) + (0, 0) + (1, 1, 1)
     assert sample.interrupted and sample.thinking_budget == 5
     assert session.steps[0] == ("10 11 12 13 14 90 91 20 99", False)
+    # A turn capped by the trajectory's budget below thinking + solution budget (11) is one
+    # plain request of what is left: no budget drawn, no end-of-thinking stop.
+    script = Script(((10, 11, STOP), "stop", 0, None))
+    sample, _ = run(script, Session(done()), settings(max_trajectory_tokens=8),
+                    interruption=interruption)
+    assert script.requests == [((1, 2), 8, (STOP,), False)] and sample.thinking_budget is None
     # A trajectory without a forced interruption is not "interrupted" for its observations.
     script = Script(((7, 20, STOP), "stop", 0, None), ((7, 21, EOS), "stop", 0, None))
     sample, _ = run(script, Session(observe("40"), done()), interruption=interruption)
