@@ -182,6 +182,20 @@ def test_an_environment_failure_is_the_samples_verifier_failure_and_the_session_
     assert result.reason == Reason.VERIFIER_ERROR and "final" in result.detail
 
 
+def test_a_failed_trajectorys_group_can_be_recorded_in_the_ledger():
+    """The step's ledger digest hashes every result's reward: a verifier failure (None) must
+    not stop the run there (it hashes as NaN, unlike any reward)."""
+    from megatron_rl.resilience.ledger import groups_digest
+    from megatron_rl.rollout.manager import FinishedGroup
+
+    session = Session(RuntimeError("sandbox unreachable"))
+    sample, failed = run(Script(((10, STOP), "stop", 0, None)), session)
+    group = FinishedGroup(group_id=0, prompt_index=0, admission_version=0, samples=(sample,),
+                          results=(failed,))
+    scored = dataclasses.replace(group, results=(CORRECT,))
+    assert groups_digest([group]) != groups_digest([scored])
+
+
 def test_an_aborted_request_inside_turn_two_is_resubmitted_and_tokens_keep_their_versions():
     # Turn 1 at v0; a weight update aborts turn 2 after one token (v0); the resubmission, from
     # everything so far, finishes at v1.
