@@ -161,14 +161,18 @@ class HeldoutValidation:
 
     The requests go through the rollout manager (`manager.run_anywhere`: a sample whose
     generator fails midway is generated again, the same, on another); `wait(coroutine)` runs
-    them on the rollout loop while the generators are health-checked."""
+    them on the rollout loop while the generators are health-checked. Records whose environment
+    is multi-turn (`multi_turn`, rollout/multi_turn.py) run their trajectories in the same
+    environments as training, which score them (no re-scoring); their samples file holds the
+    whole decoded trajectory, observations included."""
 
     def __init__(self, cfg, out, *, tokenizer, registry: RewardRegistry,
                  records: Sequence[PromptRecord], prompt_ids: Sequence[Sequence[int]],
-                 manager, interruption, wait):
+                 manager, interruption, wait, multi_turn=None):
         self.cfg, self.out, self.tokenizer, self.registry = cfg, out, tokenizer, registry
         self.records, self.prompt_ids = records, prompt_ids
         self.manager, self.interruption, self._wait = manager, interruption, wait
+        self.multi_turn = multi_turn  # rollout.multi_turn.MultiTurnRollout, or None
 
     def __call__(self, step: int, *, version: int, metrics) -> None:
         """Validate the weights of policy `version` after `step`; `metrics` is the run's
@@ -179,8 +183,8 @@ class HeldoutValidation:
         k = self.cfg.eval.samples_per_prompt
         compute_gpu_hours = metrics.compute_gpu_hours  # spent on the policy validated here
         completions = self._wait(self._generate(k, version))
-        texts = [[self.tokenizer.decode(s.token_ids) for s in group] for group in completions]
-        scored = score_samples(self.registry, self.records, texts)
+        texts = [[self.tokenizer.decode(s.token_ids) for s, _ in group] for group in completions]
+        scored = self._score(texts, completions)
         write_validation_samples(self.out / "validation_samples" / f"step_{step:06d}.jsonl",
                                  step, self.records, texts, scored)
         log_validation(metrics.scaling_log, step, compute_gpu_hours,
@@ -190,7 +194,25 @@ class HeldoutValidation:
                                       step)
             metrics.writer.flush()
 
+    def _score(self, texts: list[list[str]], completions: list) -> list[ScoredSample]:
+        """Single-turn groups scored by the registry (in one batch); multi-turn ones carry their
+        environment's results. In the records' order."""
+        single = [i for i, group in enumerate(completions) if group[0][1] is None]
+        by_verifier = iter(score_samples(self.registry, [self.records[i] for i in single],
+                                         [texts[i] for i in single]) if single else ())
+        scored = []
+        for record, group in zip(self.records, completions):
+            for _, result in group:
+                if result is None:
+                    scored.append(next(by_verifier))
+                else:
+                    scored.append(ScoredSample(prompt_id=record.prompt_id, task=record.task,
+                                               reward=result.reward, passed=result.passed))
+        return scored
+
     async def _generate(self, k: int, version: int) -> list:
+        """[prompt][sample] -> (RolloutSample, its environment's RewardResult for a multi-turn
+        record, None for a single-turn one)."""
         import asyncio
         import random
 
@@ -204,15 +226,22 @@ class HeldoutValidation:
             # Each sample its own seed (SamplingParams.seed), the same at every validation: the
             # curve's points differ by the policy, not by the sampling noise. So a sample whose
             # generator fails midway is generated again, the same, on another.
-            def request(client):
+            record = self.records[index]
+            multi_turn = self.multi_turn is not None and self.multi_turn.is_multi_turn(record)
+
+            async def request(client):
                 generate_one = bind_generate(
                     client, params.for_sample("eval", index, sample),
                     extra_key=self.manager.prefix_cache_key(version),
                     continuation_priority=self.interruption.continuation_priority)
-                return generate_completion(
-                    generate_one, prompt, settings=self.interruption,
-                    rng=random.Random(f"eval/{index}/{sample}"), group_id=index,
-                    sample_index=sample)
+                rng = random.Random(f"eval/{index}/{sample}")
+                if multi_turn:
+                    return await self.multi_turn.run(
+                        generate_one, prompt, record, interruption=self.interruption, rng=rng,
+                        group_id=index, sample_index=sample)
+                return await generate_completion(
+                    generate_one, prompt, settings=self.interruption, rng=rng, group_id=index,
+                    sample_index=sample), None
 
             return self.manager.run_anywhere(index, request)
 

@@ -53,7 +53,9 @@ def groups_digest(groups) -> str:
                                        len(sample.token_ids))).tobytes())
             for ints in (sample.token_ids, sample.versions, sample.loss_mask):
                 h.update(array.array("q", ints).tobytes())
-            h.update(array.array("d", (*sample.logprobs, result.reward)).tobytes())
+            # A failed verifier (reward None: an environment failure too) hashes as NaN.
+            reward = float("nan") if result.reward is None else result.reward
+            h.update(array.array("d", (*sample.logprobs, reward)).tobytes())
     return h.hexdigest()
 
 

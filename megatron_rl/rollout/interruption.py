@@ -35,7 +35,18 @@ budget: its tokens keep the versions and log-probs of the policy that produced t
 resubmission waits inside SGLang until generation continues. A completion is never cut short by
 an update. Aborts that make no progress `MAX_IDLE_ABORTS` times in a row are an error.
 Without forced interruption a completion is one request of thinking_budget + solution_budget
-tokens. The generation call is injected (`GenerateOne`), so this runs over the SGLang client in
+tokens.
+
+A turn (`generate_turn`) is this state machine after any prefix: a single-turn completion is one
+turn after its prompt (`generate_completion`); a multi-turn trajectory (multi_turn.py) generates
+each turn after the prompt and its history, with the environment's turn stop ids added to every
+request of the turn and a cap, the trajectory's remaining token budget. A cap below
+thinking_budget + solution_budget makes the turn one plain request of the capped number of tokens
+(no budget drawn, no forced interruption: the trajectory's budget is the binding limit then, and
+splitting what is left of it into a thinking and an answer part would invent budgets the config
+does not state).
+
+The generation call is injected (`GenerateOne`), so this runs over the SGLang client in
 the rollout manager and over a scripted stand-in in unit tests.
 """
 from __future__ import annotations
@@ -160,6 +171,26 @@ def find_subsequence(tokens: Sequence[int], pattern: Sequence[int]) -> int | Non
     return None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Turn:
+    """One turn's generation: its segments (sampled requests, and the interruption phrase when
+    it was forced), the finish reason of its last request, and the thinking budget drawn for it
+    (None: no forced interruption in this turn)."""
+
+    segments: tuple[Segment, ...]
+    finish_reason: str
+    thinking_budget: int | None = None
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(t for s in self.segments for t in s.token_ids)
+
+    @property
+    def interrupted(self) -> bool:
+        """The interruption phrase was appended."""
+        return any(not s.sampled for s in self.segments)
+
+
 def _sampled(result: GenerationResult) -> Segment:
     return Segment.from_generation(result)  # with the routed experts, when requested
 
@@ -197,24 +228,47 @@ async def generate_completion(generate_one: GenerateOne, prompt_ids: Sequence[in
                               sample_index: int) -> RolloutSample:
     """One completion of `prompt_ids`, with forced interruption when `settings.enabled`."""
     prompt = tuple(int(t) for t in prompt_ids)
+    turn = await generate_turn(generate_one, prompt, settings=settings, rng=rng)
+    return assemble_sample(group_id=group_id, sample_index=sample_index, prompt_token_ids=prompt,
+                           segments=turn.segments, finish_reason=turn.finish_reason,
+                           thinking_budget=turn.thinking_budget)
 
-    def _sample(segments: Sequence[Segment], finish: str, budget: int | None) -> RolloutSample:
-        return assemble_sample(group_id=group_id, sample_index=sample_index,
-                               prompt_token_ids=prompt, segments=segments, finish_reason=finish,
-                               thinking_budget=budget)
 
-    if not settings.enabled:
-        segments, finish = await _generate(generate_one, prompt, settings.max_response_tokens)
-        return _sample(segments, finish, None)
+async def generate_turn(generate_one: GenerateOne, prefix_ids: Sequence[int], *,
+                        settings: InterruptionSettings, rng: random.Random,
+                        stop_token_ids: Sequence[int] = (), max_tokens: int | None = None,
+                        continuation: bool = False) -> Turn:
+    """One turn after `prefix_ids` (a prompt, or a prompt and a trajectory's history), with
+    forced interruption when `settings.enabled`. `stop_token_ids` end the turn besides the end of
+    sequence (sent with every request of the turn); `max_tokens` caps its tokens (None:
+    thinking_budget + solution_budget; below that, one plain request: module docstring);
+    `continuation`: the prefix holds generated tokens already (its requests go as continuations,
+    rollout.continuations_first)."""
+    prefix = tuple(int(t) for t in prefix_ids)
+    stops = tuple(int(t) for t in stop_token_ids)
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"a turn needs room for at least one token, got max_tokens={max_tokens}")
+    capped = max_tokens is not None and max_tokens < settings.max_response_tokens
+    if not settings.enabled or capped:
+        budget = settings.max_response_tokens if max_tokens is None else min(
+            max_tokens, settings.max_response_tokens)
+        segments, finish = await _generate(generate_one, prefix, budget, stop_token_ids=stops,
+                                           continuation=continuation)
+        return Turn(segments=tuple(segments), finish_reason=finish)
     budget = sample_thinking_budget(rng, settings.thinking_budget_min, settings.thinking_budget)
+
+    def _turn(segments: Sequence[Segment], finish: str) -> Turn:
+        return Turn(segments=tuple(segments), finish_reason=finish, thinking_budget=budget)
+
     marker = settings.think_end_ids
-    segments, finish = await _generate(generate_one, prompt, budget,
-                                       stop_token_ids=marker if len(marker) == 1 else ())
+    segments, finish = await _generate(
+        generate_one, prefix, budget,
+        stop_token_ids=(marker if len(marker) == 1 else ()) + stops, continuation=continuation)
     thought = tuple(t for s in segments for t in s.token_ids)
     end = find_subsequence(thought, marker)
     if end is None:
         if finish != "length":  # finished without closing its thinking: nothing to answer
-            return _sample(segments, finish, budget)
+            return _turn(segments, finish)
         phrase = settings.phrase_after(thought)  # still thinking at the budget: force the answer
         segments.append(Segment(token_ids=phrase, sampled=False))
         remaining = settings.solution_budget - len(phrase)
@@ -222,11 +276,12 @@ async def generate_completion(generate_one: GenerateOne, prompt_ids: Sequence[in
         answer_start = end + len(marker)
         answered = len(thought) - answer_start
         if answered > settings.solution_budget:  # the server did not stop at the marker
-            return _sample(truncate_segments(segments, answer_start + settings.solution_budget),
-                           "length", budget)
+            return _turn(truncate_segments(segments, answer_start + settings.solution_budget),
+                         "length")
         if answered == settings.solution_budget or (finish == "stop" and answered > 0):
-            return _sample(segments, finish, budget)  # the answer is complete or at its limit
+            return _turn(segments, finish)  # the answer is complete or at its limit
         remaining = settings.solution_budget - answered
-    so_far = prompt + tuple(t for s in segments for t in s.token_ids)
-    answer, finish = await _generate(generate_one, so_far, remaining, continuation=True)
-    return _sample(segments + answer, finish, budget)
+    so_far = prefix + tuple(t for s in segments for t in s.token_ids)
+    answer, finish = await _generate(generate_one, so_far, remaining, stop_token_ids=stops,
+                                     continuation=True)
+    return _turn(segments + answer, finish)

@@ -7,6 +7,9 @@ One asyncio event loop (a Ray async actor in a cluster run, or the driver's own 
 - per group: G completions, each a forced-interruption state machine (interruption.py) on the
   same server (one group shares its prompt's prefix cache, namespaced by the admission version
   through `extra_key`), then scoring off the event loop (verifiers block: a worker thread);
+  a record whose environment is multi-turn (`multi_turn`, rollout/multi_turn.py) gets G
+  trajectories instead, each scored by its environment (same seeds, same prefix-cache key; a
+  cancelled group's sessions are closed as it is cancelled);
 - take: the trainer asks for `prompts_per_step` groups; each is checked against the staleness
   bound at take time (fresh: trained; stale: re-queued or dropped, as the gate's policy says);
   `put_back` undoes a take whose groups never reached the trainer (a stop as it completed).
@@ -46,6 +49,7 @@ from collections.abc import Callable, Sequence
 
 from megatron_rl.rollout.interruption import (InterruptionSettings, bind_generate,
                                                generate_completion)
+from megatron_rl.rollout.multi_turn import MultiTurnRollout
 from megatron_rl.rollout.samples import RolloutSample
 from megatron_rl.rollout.staleness import AdmissionGate, TakeDecision
 from megatron_rl.rollout.types import GeneratorDeadError, SamplingParams
@@ -111,7 +115,7 @@ class RolloutManager:
                  records: Sequence, sampler, gate: AdmissionGate, params: SamplingParams,
                  interruption: InterruptionSettings, score: ScoreFn,
                  decode: Callable[[Sequence[int]], str], max_finished_groups: int,
-                 seed: int = 0):
+                 seed: int = 0, multi_turn: MultiTurnRollout | None = None):
         if len(prompt_token_ids) != len(records):
             raise ValueError(f"{len(prompt_token_ids)} tokenized prompts but {len(records)} "
                              "records")
@@ -128,6 +132,7 @@ class RolloutManager:
         self.decode = decode
         self.max_finished_groups = max_finished_groups
         self.seed = seed
+        self.multi_turn = multi_turn  # None: every record single-turn, scored by `score`
         self.version = 0  # the newest policy version the generators hold
         self.incarnation = 0  # advanced by every load_state_dict: part of the prefix-cache key
         self._finished: collections.deque[FinishedGroup] = collections.deque()
@@ -548,23 +553,34 @@ class RolloutManager:
         client = self.clients[client_index]
         group_id, prompt_index = ticket.group_id, ticket.prompt_index
         extra_key = self.prefix_cache_key(version)  # never cached KV of other weights
+        record = self.records[prompt_index]
+        multi_turn = self.multi_turn is not None and self.multi_turn.is_multi_turn(record)
+
+        def sample(k: int):
+            generate_one = bind_generate(  # each sample its own seed: SamplingParams.seed
+                client, self.params.for_sample("train", group_id, k), extra_key=extra_key,
+                continuation_priority=self.interruption.continuation_priority)
+            rng = random.Random(f"{self.seed}/{group_id}/{k}")
+            if multi_turn:  # a trajectory, scored by its environment
+                return self.multi_turn.run(generate_one, self.prompt_token_ids[prompt_index],
+                                           record, interruption=self.interruption, rng=rng,
+                                           group_id=group_id, sample_index=k)
+            return generate_completion(generate_one, self.prompt_token_ids[prompt_index],
+                                       settings=self.interruption, rng=rng, group_id=group_id,
+                                       sample_index=k)
 
         try:
             async with asyncio.TaskGroup() as samples_group:  # one failure cancels the rest
-                tasks = [samples_group.create_task(generate_completion(
-                    bind_generate(  # each sample its own seed: SamplingParams.seed
-                        client, self.params.for_sample("train", group_id, k),
-                        extra_key=extra_key,
-                        continuation_priority=self.interruption.continuation_priority),
-                    self.prompt_token_ids[prompt_index], settings=self.interruption,
-                    rng=random.Random(f"{self.seed}/{group_id}/{k}"), group_id=group_id,
-                    sample_index=k)) for k in range(self.params.num_samples)]
+                tasks = [samples_group.create_task(sample(k))
+                         for k in range(self.params.num_samples)]
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None  # the first failure, as it was raised
-        samples = [task.result() for task in tasks]
-        texts = [self.decode(sample.token_ids) for sample in samples]
-        record = self.records[prompt_index]
-        results = await asyncio.to_thread(self.score, texts, [record] * len(texts))
+        if multi_turn:
+            samples, results = zip(*(task.result() for task in tasks))
+        else:
+            samples = [task.result() for task in tasks]
+            texts = [self.decode(s.token_ids) for s in samples]
+            results = await asyncio.to_thread(self.score, texts, [record] * len(texts))
         # Out of `_running` in the same step as into `_finished`: the done-callback runs a loop
         # iteration later, and a state_dict taken in between would hold the group twice.
         self._running.pop(asyncio.current_task(), None)

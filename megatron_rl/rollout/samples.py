@@ -14,13 +14,21 @@ holds position t's expert ids (layer-major, top-k per layer). Each request retur
 whole input (prefix and output but the last token); `assemble_sample` keeps, for the positions
 whose outputs a request sampled, that request's rows, i.e. the routing under which each behaviour
 log-prob was computed.
+
+A multi-turn trajectory (rollout/multi_turn.py) is one sample too: its turns are sampled segments
+and the environment's observations between them inserted ones (loss mask 0, like the phrase);
+`RolloutSample.trajectory` then holds its statistics.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.multi_turn import TrajectoryStats
 
 # Stands in a per-token version list for tokens no policy produced (the interruption phrase).
 NOT_SAMPLED = -1
@@ -38,12 +46,16 @@ class Segment:
     # The request's routed experts (routing replay): [len(request input) + len(token_ids) - 1,
     # layers * top_k] uint8/uint16, GenerationResult.routed_experts; sampled segments only.
     routed_experts: torch.Tensor | None = None
+    # The request's input tokens served by the prefix cache (GenerationResult.cached_tokens;
+    # its input is the prompt and the completion before this segment); None: not reported.
+    cached_tokens: int | None = None
 
     @classmethod
     def from_generation(cls, result) -> "Segment":
         """The sampled segment of one request's GenerationResult."""
         return cls(token_ids=result.token_ids, logprobs=result.logprobs,
-                   versions=result.versions, routed_experts=result.routed_experts)
+                   versions=result.versions, routed_experts=result.routed_experts,
+                   cached_tokens=result.cached_tokens)
 
     def __post_init__(self) -> None:
         if self.sampled and not len(self.token_ids) == len(self.logprobs) == len(self.versions):
@@ -74,6 +86,9 @@ class RolloutSample:
     # Routing replay: [len(prompt) + len(completion) - 1, layers * top_k] uint8/uint16 expert
     # ids per position (the last token's routing is never computed); None without replay.
     routed_experts: torch.Tensor | None = None
+    # A multi-turn trajectory's statistics (turns, tool calls, prefill vs decode tokens); None
+    # for a single-turn completion.
+    trajectory: TrajectoryStats | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -137,8 +152,11 @@ def truncate_segments(segments: Sequence[Segment], num_tokens: int) -> list[Segm
 
 def assemble_sample(*, group_id: int, sample_index: int, prompt_token_ids: Sequence[int],
                     segments: Sequence[Segment], finish_reason: str,
-                    thinking_budget: int | None = None) -> RolloutSample:
-    """The sample of a completion made of `segments`, in order."""
+                    thinking_budget: int | None = None, interrupted: bool | None = None,
+                    trajectory: TrajectoryStats | None = None) -> RolloutSample:
+    """The sample of a completion made of `segments`, in order. `interrupted`: whether the
+    interruption phrase was appended (None: any inserted segment is the phrase, as in a
+    single-turn completion; a trajectory's observations are inserted too)."""
     token_ids, logprobs, versions, mask, offsets = [], [], [], [], []
     for segment in segments:
         offsets.append(len(token_ids))
@@ -155,8 +173,10 @@ def assemble_sample(*, group_id: int, sample_index: int, prompt_token_ids: Seque
         group_id=group_id, sample_index=sample_index,
         prompt_token_ids=tuple(int(t) for t in prompt_token_ids), token_ids=tuple(token_ids),
         logprobs=tuple(logprobs), versions=tuple(versions), loss_mask=tuple(mask),
-        finish_reason=finish_reason, interrupted=any(not s.sampled for s in segments),
-        segment_offsets=tuple(offsets), thinking_budget=thinking_budget,
+        finish_reason=finish_reason,
+        interrupted=(any(not s.sampled for s in segments) if interrupted is None
+                     else interrupted),
+        segment_offsets=tuple(offsets), thinking_budget=thinking_budget, trajectory=trajectory,
         routed_experts=_merge_routed_experts(len(prompt_token_ids), segments, offsets,
                                              len(token_ids)))
 
@@ -166,7 +186,9 @@ def _merge_routed_experts(num_prompt: int, segments: Sequence[Segment],
     """One table for the whole sample: the first request's rows, then from each later request
     the rows from the position that predicted its first token on (its behaviour log-probs were
     computed under that routing). Rows after the last request (an inserted tail) repeat its last
-    row: they precede no sampled token, so their routing changes no trained log-prob."""
+    row: they precede no sampled token, so their routing changes no trained log-prob. A
+    trajectory's observation is such a gap: its positions' rows come from the next turn's first
+    request, which read it as input."""
     sampled = [(s, o) for s, o in zip(segments, offsets) if s.sampled and s.token_ids]
     if not sampled or all(s.routed_experts is None for s, _ in sampled):
         return None

@@ -128,6 +128,12 @@ class GenerationResult:
     # position t, columns layer-major (layer 0's top-k ids, then layer 1's, ...; zeros on dense
     # layers). None when not requested.
     routed_experts: torch.Tensor | None = None
+    # Input tokens SGLang's prefix cache served (meta_info["cached_tokens"]: the request's prefix
+    # matched in the radix cache, sglang/srt/managers/schedule_batch.py
+    # ScheduleBatch.prepare_for_extend, reported by tokenizer_manager.py
+    # TokenizerManager._handle_batch_output); the request's prefill is input - cached. None:
+    # not reported.
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.logprobs) == len(self.versions):

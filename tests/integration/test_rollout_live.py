@@ -57,13 +57,29 @@ def test_forced_interruption_on_a_live_server(llama_generator):
         async with AsyncSGLangClient(llama_generator.url, request_timeout_s=120,
                                      api_key=llama_generator.server.settings.api_key) as client:
             async def one(group_id, prompt):
-                generate_one = bind_generate(client, params, extra_key="v0")
+                bound = bind_generate(client, params, extra_key="v0")
+
+                async def generate_one(input_ids, *args, **kwargs):
+                    result = await bound(input_ids, *args, **kwargs)
+                    requests.append((tuple(input_ids), result.cached_tokens))
+                    return result
+
                 return await generate_completion(generate_one, prompt, settings=settings,
                                                  rng=random.Random(group_id),
                                                  group_id=group_id, sample_index=0)
             return await asyncio.gather(*(one(g, p) for g, p in enumerate(prompts)))
 
+    requests = []  # (input ids, cached tokens the server reported)
     samples = asyncio.run(rollouts())
+    # SGLang's meta_info["cached_tokens"] (GenerationResult.cached_tokens): the prompts share no
+    # prefix (the cache was flushed at the reset), and a continuation's input begins with what
+    # its first request computed, which the prefix cache serves.
+    firsts = [cached for ids, cached in requests if ids in prompts]
+    continuations = [(ids, cached) for ids, cached in requests if ids not in prompts]
+    assert firsts == [0] * len(prompts) and continuations
+    # More than any prompt: the thinking (6-10 tokens, all but its last token computed) too.
+    assert all(5 < cached < len(ids) for ids, cached in continuations), \
+        [(len(ids), cached) for ids, cached in continuations]
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     version = int(llama_generator.server_weight_version())
     interrupted = [s for s in samples if s.interrupted]

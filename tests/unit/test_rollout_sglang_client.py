@@ -376,10 +376,12 @@ def test_async_client_activity_counts_the_union_of_requests_in_flight_and_their_
         body = await request.json()
         await asyncio.sleep(body["sampling_params"]["max_new_tokens"] / 10)
         n = body["sampling_params"]["max_new_tokens"]
+        # The prefix-cache hit (SGLang's meta_info["cached_tokens"]) on one of the requests.
+        cached = {"cached_tokens": 1} if n == 3 else {}
         return web.json_response({"output_ids": list(range(n)), "meta_info": {
             "finish_reason": {"type": "length", "length": n},
             "output_token_logprobs": [[-0.5, t, None] for t in range(n)],
-            "weight_versions": [{"version": "0", "start": 0, "end": n}]}})
+            "weight_versions": [{"version": "0", "start": 0, "end": n}], **cached}})
 
     async def scenario():
         url, runner = await _stand_in_generate_server(generate)
@@ -389,9 +391,10 @@ def test_async_client_activity_counts_the_union_of_requests_in_flight_and_their_
             start = client.activity()
             assert (start.busy_s, start.tokens, start.requests) == (0.0, 0, 0)
             began = time.perf_counter()
-            await asyncio.gather(client.generate_one([1], 3, params),
-                                 client.generate_one([1], 2, params))
+            results = await asyncio.gather(client.generate_one([1], 3, params),
+                                           client.generate_one([1], 2, params))
             overlapped = time.perf_counter() - began
+            assert [r.cached_tokens for r in results] == [1, None]
             await asyncio.sleep(0.3)  # idle: not busy
             between = client.activity() - start
             await client.generate_one([1], 1, params)
