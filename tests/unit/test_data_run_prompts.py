@@ -69,8 +69,9 @@ BAD_INPUTS = [
          r"it or remove the prompt$"),
     ("unknown task tag",
      lambda d: _twelve(d / "p.jsonl", replace={2: _math(2, task="algebra")}),
-     [], r"{file}:3: no reward function for task 'algebra'; registered tasks: \['code', 'math', "
-         r"'rg/\*'\]\. Fix the prompt's 'task' field"),
+     [], r"{file}:3: no environment for task 'algebra': environments are registered for "
+         r"\['tool/\*'\] and rewards for \['code', 'math', 'rg/\*'\]\. Fix the prompt's 'task' "
+         r"field or register one"),
     ("broken JSON line",
      lambda d: _twelve(d / "p.jsonl", replace={6: '{"id": "m6", "task": "math",'}),
      [], r"{file}:7: not valid JSON \(.*\); each line must be one complete JSON object$"),
