@@ -1024,8 +1024,8 @@ class EnvironmentConfig:
     SECTION: ClassVar[str] = "environment"
 
     modules: tuple[str, ...] = _field(
-        (), "Python modules (importable from the run's working directory or PYTHONPATH) that "
-        "define register_environments(registry, **context) and register the user's own "
+        (), "Python modules (dotted names, on PYTHONPATH or installed; imported by the driver) "
+        "that define register_environments(registry, **context) and register the user's own "
         "environments by task tag, as verifiers are registered; [] = the built-in ones only")
     max_turns: int = _field(8, "most model turns of a multi-turn trajectory (the environment "
                             "gives its verdict after the last one)", ge=1)

@@ -19,7 +19,6 @@ touches all of them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -172,16 +171,21 @@ class RunSetup:
         if not self.environments.any_multi_turn(records):
             return None
         end_of_turn = end_of_turn_ids(self.tokenizer, cfg.model.hf_checkpoint)
+        # One per environment object, by identity: a user's environment need not be hashable.
+        known: dict[int, MultiTurnSettings] = {}
 
-        @functools.cache  # one per environment object (an Environment hashes by identity)
         def settings_for(environment) -> MultiTurnSettings:
-            try:
-                stops = stop_token_ids(self.tokenizer, environment.stop_texts)
-            except ValueError as exc:
-                raise ConfigError(f"{type(environment).__name__} stop texts: {exc}") from None
-            return MultiTurnSettings(max_turns=cfg.environment.max_turns,
-                                     max_trajectory_tokens=cfg.max_trajectory_tokens,
-                                     turn_stop_ids=stops, end_of_turn_ids=end_of_turn)
+            if id(environment) not in known:
+                try:
+                    stops = stop_token_ids(self.tokenizer, environment.stop_texts)
+                except ValueError as exc:
+                    raise ConfigError(f"{type(environment).__name__} stop texts: {exc}") \
+                        from None
+                known[id(environment)] = MultiTurnSettings(
+                    max_turns=cfg.environment.max_turns,
+                    max_trajectory_tokens=cfg.max_trajectory_tokens, turn_stop_ids=stops,
+                    end_of_turn_ids=end_of_turn)
+            return known[id(environment)]
 
         for task in {record.task for record in records}:  # stop texts checked now, not mid-run
             environment = self.environments.for_task(task)
