@@ -38,6 +38,7 @@ __all__ = [
     "ClusterConfig",
     "ConfigError",
     "DataConfig",
+    "EnvironmentConfig",
     "EvalConfig",
     "LoggingConfig",
     "ModelConfig",
@@ -124,6 +125,8 @@ def _describe(hint: Any) -> str:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if origin is tuple:
+        return f"a list, each {_describe(typing.get_args(hint)[0])}"
     names = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
              type(None): "null"}
     if hint in names:
@@ -160,11 +163,14 @@ def _coerce(path: str, value: Any, hint: Any) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif hint in (bool, str) or dataclasses.is_dataclass(hint):
         ok = isinstance(value, hint)
+    elif origin is tuple and isinstance(value, (list, tuple)):  # tuple[X, ...]: a YAML list
+        item = typing.get_args(hint)[0]
+        return tuple(_coerce(f"{path}[{i}]", v, item) for i, v in enumerate(value))
     if ok:
         return value
     got = "null" if value is None else f"{type(value).__name__} {value!r}"
     message = f"{path}: expected {_describe(hint)}, got {got}"
-    accepted = (hint, *typing.get_args(hint))
+    accepted = (hint, *typing.get_args(hint)) if origin is not tuple else (hint,)
     literals = _literal_values(hint)
     if literals and isinstance(value, str):
         message += _suggest(value, literals)
@@ -997,6 +1003,85 @@ class LoggingConfig:
         _check_fields(self)
 
 
+# A dotted Python module name (environment.modules).
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EnvironmentConfig:
+    """Environments (megatron_rl/environments, docs/environments.md): what a task's trajectories
+    are generated against. The verifiers are single-turn environments: math, code and rg/ tasks
+    are generated and scored exactly as without this section. A task "tool/<task>" runs the
+    Python tool environment (the model calls the code sandbox between tool_call_open and
+    tool_call_close; stdout, stderr and the exit status come back as the observation), graded by
+    the reward of <task>; `modules` register the user's own environments. A multi-turn
+    trajectory has at most max_turns model turns, each within rollout.thinking_budget +
+    rollout.solution_budget tokens, and at most max_trajectory_tokens tokens after the prompt
+    (model and observation tokens; observations have loss mask 0); a prompt plus its longest
+    trajectory must fit train.micro_batch_max_tokens and the model's context (checked at load
+    when a task is multi-turn)."""
+
+    SECTION: ClassVar[str] = "environment"
+
+    modules: tuple[str, ...] = _field(
+        (), "Python modules (dotted names, on PYTHONPATH or installed; imported by the driver) "
+        "that define register_environments(registry, **context) and register the user's own "
+        "environments by task tag, as verifiers are registered; [] = the built-in ones only")
+    max_turns: int = _field(8, "most model turns of a multi-turn trajectory (the environment "
+                            "gives its verdict after the last one)", ge=1)
+    max_trajectory_tokens: int | None = _field(
+        None, "most tokens of a multi-turn trajectory after the prompt (model turns and "
+        "observations); null = max_turns x (rollout.thinking_budget + rollout.solution_budget)",
+        ge=1)
+    tool_call_open: str = _field("<tool>", "text that opens a tool call in a model turn")
+    tool_call_close: str = _field("</tool>", "text that closes a tool call and ends the model's "
+                                  "turn (one token of the policy tokenizer: a stop token)")
+    tool_wall_time_s: float = _field(5.0, "wall-time limit of one tool call in the sandbox; a "
+                                     "call past it is a tool error the model reads", gt=0.0)
+    tool_max_output_chars: int = _field(1000, "longest tool output shown to the model; longer "
+                                        "output is cut, with a note of how much", ge=1)
+    tool_system_prompt: str | None = _field(
+        None, "system message prepended to a tool task's conversation (how to call the tool); "
+        "null = the conversation as the prompt file gives it")
+    observation_template: str = _field(
+        "{content}", "how an observation message becomes text for a tokenizer without a chat "
+        "template (e.g. '<output>{content}</output>'); with a chat template the template "
+        "renders it")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        bad = [name for name in self.modules if not _MODULE_NAME.match(name)]
+        _require(not bad, f"environment.modules: {bad[0]!r} is not a Python module name "
+                 "(dotted identifiers, e.g. my_envs or my_package.environments); give the "
+                 "module to import, not a file path" if bad else "")
+        for name in ("tool_call_open", "tool_call_close"):
+            _require(getattr(self, name).strip() != "",
+                     f"environment.{name}: empty; give the text that marks a tool call, e.g. "
+                     "'<tool>' and '</tool>'")
+        _require(self.tool_call_open != self.tool_call_close,
+                 f"environment.tool_call_close: equal to tool_call_open "
+                 f"({self.tool_call_open!r}); a call needs distinct open and close texts")
+        _require(self.tool_system_prompt is None or self.tool_system_prompt.strip() != "",
+                 "environment.tool_system_prompt: empty; give the system message or null")
+        _check_observation_template(self.observation_template)
+
+
+def _check_observation_template(template: str) -> None:
+    """environment.observation_template: a str.format template of {content} alone."""
+    import string
+
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(template)
+                 if name is not None]
+    except ValueError as err:
+        raise ConfigError(f"environment.observation_template: {template!r} is not a format "
+                          f"string ({err}); write literal braces as {{{{ and }}}}") from None
+    _require("content" in names and set(names) == {"content"},
+             f"environment.observation_template: {template!r} must contain {{content}} (the "
+             f"observation's text) and no other field, got fields {names}; e.g. "
+             "'<output>{content}</output>'")
+
+
 def _check_fp8_serving(cfg: "RunConfig") -> None:
     """rollout.precision=fp8 refused at config load where it cannot work (fp8_serving_problem),
     on the model's config.json (model.hf_checkpoint, which `megatron-rl train` needs and the
@@ -1028,7 +1113,8 @@ def _check_fp8_serving(cfg: "RunConfig") -> None:
 class RunConfig:
     """One RL run. Rules spanning sections: train.global_batch_size is a multiple of
     rollout.samples_per_prompt; train.micro_batch_max_tokens >= rollout.max_sequence_tokens;
-    MoE models with tensor parallelism need parallelism.sequence_parallel. `seed` is the one seed
+    MoE models with tensor parallelism need parallelism.sequence_parallel;
+    environment.max_trajectory_tokens (when set) >= one turn's budget. `seed` is the one seed
     of the run (model init, prompt order and sampling seeds derive from it)."""
 
     SECTION: ClassVar[str] = ""
@@ -1050,6 +1136,8 @@ class RunConfig:
     data: DataConfig = _section(DataConfig, "prompts")
     cluster: ClusterConfig = _section(ClusterConfig, "Ray cluster and placement")
     logging: LoggingConfig = _section(LoggingConfig, "metrics output")
+    environment: EnvironmentConfig = _section(EnvironmentConfig, "environments and multi-turn "
+                                              "trajectories")
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -1098,6 +1186,13 @@ class RunConfig:
                  f"experts to split (got {par.expert_model_parallel_size}); set it to 1")
         if self.rollout.precision == "fp8":
             _check_fp8_serving(self)
+        env = self.environment
+        _require(env.max_trajectory_tokens is None
+                 or env.max_trajectory_tokens >= self.rollout.max_response_tokens,
+                 f"environment.max_trajectory_tokens: {env.max_trajectory_tokens} is less than "
+                 f"one turn's budget (rollout.thinking_budget + rollout.solution_budget = "
+                 f"{self.rollout.max_response_tokens}); raise it to >= "
+                 f"{self.rollout.max_response_tokens} or null (max_turns x that budget)")
 
     @property
     def prompts_per_step(self) -> int:
@@ -1113,6 +1208,13 @@ class RunConfig:
     def tensorboard_dir(self) -> str:
         """logging.tensorboard_dir, or <output_dir>/tensorboard."""
         return self.logging.tensorboard_dir or str(Path(self.output_dir) / "tensorboard")
+
+    @property
+    def max_trajectory_tokens(self) -> int:
+        """environment.max_trajectory_tokens, or max_turns x rollout.max_response_tokens."""
+        if self.environment.max_trajectory_tokens is not None:
+            return self.environment.max_trajectory_tokens
+        return self.environment.max_turns * self.rollout.max_response_tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -1249,6 +1351,9 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def _yaml_scalar(value: Any) -> str:
+    if isinstance(value, tuple):  # a list field (tuple[X, ...]), written as a flow list: [a, b]
+        return yaml.dump(list(value), Dumper=_Dumper, width=sys.maxsize, allow_unicode=True,
+                         default_flow_style=True).rstrip("\n")
     line = yaml.dump({"x": value}, Dumper=_Dumper, width=sys.maxsize, allow_unicode=True)
     return line[len("x: "):].rstrip("\n")
 

@@ -4,7 +4,9 @@ Weights & Biases with logging.wandb: the same scalars, the config and the scalin
 megatron_rl/wandb_logging.py), the compute-scaling log, the progress bar (with the generator
 engines in the rotation, which a lost node lowers until its engines are placed again; one plain
 line per step when stderr is a log file, console.progress), and the compute axis of the scaling
-curve.
+curve. Multi-turn trajectories add their own (`trajectory_metrics`): turns, tool calls and errors,
+tool vs generation time, and the measured prefill share of inference tokens beside the cost
+model's prediction for the same shape (scaling/cost.py token_counts).
 
 The compute axis (docs/pipeline.md) is device-hours spent on training: (trainer ranks + generator
 devices) x wall time since the generators started on the training groups (on CPU, processes stand
@@ -36,10 +38,73 @@ def version_runs(versions: Sequence[int]) -> list[list[int]]:
     return runs
 
 
+def _trajectory_fields(trajectory) -> dict:
+    """A multi-turn sample's line in rollout_samples: its turns, tool calls, tool errors and
+    observation tokens (nothing for a single-turn sample)."""
+    if trajectory is None:
+        return {}
+    return {"turns": trajectory.turns, "tool_calls": trajectory.tool_calls,
+            "tool_errors": trajectory.tool_errors,
+            "observation_tokens": trajectory.observation_tokens}
+
+
+def trajectory_metrics(samples: Sequence, *, samples_per_prompt: int,
+                       prefix_caching: bool) -> dict[str, float]:
+    """The step's multi-turn trajectories (samples with `trajectory` stats; {} when there are
+    none, as in a single-turn run): turns per trajectory (mean, max), tool calls (per trajectory,
+    total) and the share of calls that failed, tool vs generation wall time summed over the
+    trajectories, their prefill (computed: input - prefix-cache hits), decode (sampled) and
+    observation tokens, and `rollout/prefill_share` = prefill / (prefill + decode) beside
+    `cost/prefill_share`, the cost model's prediction for trajectories of the measured mean
+    shape (prompt, turns, generated and per-later-turn observation tokens) with prefix caching
+    as the generators run it (SGLang's radix cache: on unless rollout.deterministic). A ratio
+    without a denominator (no tool call, no generation time) is NaN, which is not logged."""
+    from megatron_rl.scaling.cost import CostConfig, token_counts
+
+    with_stats = [s for s in samples if s.trajectory is not None]
+    if not with_stats:
+        return {}
+    stats = [s.trajectory for s in with_stats]
+    count = len(stats)
+    turns = sum(t.turns for t in stats)
+    calls, errors = sum(t.tool_calls for t in stats), sum(t.tool_errors for t in stats)
+    tool_s = sum(t.tool_seconds for t in stats)
+    generation_s = sum(t.generation_seconds for t in stats)
+    prefill, decode = sum(t.prefill_tokens for t in stats), sum(t.decode_tokens for t in stats)
+    observation = sum(t.observation_tokens for t in stats)
+    metrics = {
+        "rollout/turns_per_trajectory": turns / count,
+        "rollout/turns_per_trajectory_max": float(max(t.turns for t in stats)),
+        "rollout/tool_calls": calls / count,
+        "rollout/tool_calls_total": float(calls),
+        "rollout/tool_errors": errors / calls if calls else math.nan,
+        "perf/tool_seconds": tool_s,
+        "perf/generation_seconds": generation_s,
+        "perf/tool_to_generation_ratio": tool_s / generation_s if generation_s > 0 else math.nan,
+        "rollout/prefill_tokens": float(prefill),
+        "rollout/cached_tokens": float(sum(t.cached_tokens for t in stats)),
+        "rollout/decode_tokens": float(decode),
+        "rollout/observation_tokens": float(observation),
+        "rollout/prefill_share": prefill / (prefill + decode) if prefill + decode else math.nan,
+        "cost/prefill_share": math.nan,
+    }
+    if decode > 0:  # the cost model needs generated tokens
+        later_turns = turns - count  # the turns an observation precedes
+        predicted = token_counts(CostConfig(
+            samples_per_prompt=samples_per_prompt,
+            prompt_tokens=sum(len(s.prompt_token_ids) for s in with_stats) / count,
+            generated_tokens=decode / count, num_turns=turns / count,
+            observation_tokens=observation / later_turns if later_turns else 0.0,
+            prefix_caching=prefix_caching))
+        metrics["cost/prefill_share"] = predicted.prefill / (predicted.prefill + predicted.decode)
+    return metrics
+
+
 def write_rollout_samples(path: Path, step: int, groups: Sequence, rewards) -> None:
     """One JSON line per completion the step trained on (logging.rollout_samples): its group,
     prompt, lengths, drawn thinking budget, interruption and finish reason, the versions of its
-    sampled tokens (version_runs) and reward. Written whole, then renamed."""
+    sampled tokens (version_runs) and reward; a multi-turn trajectory's also its turns, tool
+    calls, tool errors and observation tokens. Written whole, then renamed."""
     from megatron_rl.resilience.ledger import write_jsonl
 
     write_jsonl(path, ({
@@ -49,7 +114,7 @@ def write_rollout_samples(path: Path, step: int, groups: Sequence, rewards) -> N
         "thinking_budget": sample.thinking_budget, "interrupted": sample.interrupted,
         "finish_reason": sample.finish_reason,
         "versions": version_runs(sample.sampled_versions),
-        "reward": None if math.isnan(reward) else reward}
+        "reward": None if math.isnan(reward) else reward} | _trajectory_fields(sample.trajectory)
         for group, row in zip(groups, rewards.tolist())
         for sample, reward in zip(group.samples, row)))
 
@@ -158,7 +223,8 @@ class RunMetrics:
     def rollout(self, groups: Sequence, rewards, keep, *, sampler, gate, verifier_failures,
                 version: int, wait_s: float) -> dict[str, float]:
         """What the step's groups say: rewards, pass rate, lengths, truncation and interruption,
-        the zero-variance share, staleness, the gate's and the verifiers' counters."""
+        the zero-variance share, staleness, the gate's and the verifiers' counters, and the
+        multi-turn trajectories' own (trajectory_metrics; none in a single-turn run)."""
         from megatron_rl.rollout.staleness import staleness_histogram
 
         samples = [s for g in groups for s in g.samples]
@@ -183,6 +249,9 @@ class RunMetrics:
                 max_off_policyness=self.cfg.rollout.max_off_policyness).to_scalars()
         metrics |= gate.to_scalars()
         metrics |= verifier_failures.metrics()
+        metrics |= trajectory_metrics(
+            samples, samples_per_prompt=self.cfg.rollout.samples_per_prompt,
+            prefix_caching=not self.cfg.rollout.deterministic)  # SGLang's radix cache
         return metrics
 
     @staticmethod

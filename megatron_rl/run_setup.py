@@ -1,5 +1,6 @@
 """What a training run starts and stops (megatron_rl/train.py drives it): the prompts and their
-held-out split, the verifiers, the cluster (cluster/launch.py), the rollout manager on its own
+held-out split, the verifiers and the environments (the multi-turn rollout when a prompt's
+environment is multi-turn), the cluster (cluster/launch.py), the rollout manager on its own
 event loop, and the outputs. `RunSetup.start(cfg)` brings everything up in order (data errors are
 found before anything is written to output_dir) and the context exit tears it down in reverse,
 also after an error, so no SGLang server, Ray worker or verifier process outlives the run.
@@ -125,14 +126,75 @@ class RunSetup:
         self._stack.callback(lambda: self.loop.call(self.manager.stop()))
 
     def _load_data(self) -> None:
-        """The verifiers, then the prompts (checked against them, and the model's context)."""
+        """The verifiers and the environments, then the prompts (checked against them, and the
+        model's context), then the multi-turn rollout if a prompt's environment is multi-turn."""
         from megatron_rl.data.run_prompts import load_run_prompts
         from megatron_rl.rewards.failures import VerifierFailureCounter
         from megatron_rl.rewards.registry import start_run_verifiers
 
-        self.math_verifier, self.registry = start_run_verifiers(self.cfg, self._stack)
+        self.math_verifier, sandbox, self.registry = start_run_verifiers(self.cfg, self._stack)
         self.verifier_failures = VerifierFailureCounter.from_run_config(self.cfg)
-        self.data = load_run_prompts(self.cfg, self.tokenizer, self.registry)
+        self.environments = self._environments(sandbox)
+        self.data = load_run_prompts(self.cfg, self.tokenizer, self.registry, self.environments)
+        self.multi_turn = self._multi_turn()
+
+    def _environments(self, sandbox):
+        """The environments of the run's tasks: the verifiers (single-turn), the Python tool
+        environment ("tool/<task>", calls run in `sandbox`) and environment.modules' own."""
+        from megatron_rl.environments import (ToolSettings, default_environments,
+                                              load_environment_modules)
+
+        env = self.cfg.environment
+        tools = ToolSettings(call_open=env.tool_call_open, call_close=env.tool_call_close,
+                             wall_time_s=env.tool_wall_time_s,
+                             max_output_chars=env.tool_max_output_chars,
+                             system_prompt=env.tool_system_prompt)
+        environments = default_environments(self.registry, sandbox, tool_settings=tools)
+        try:
+            load_environment_modules(environments, env.modules, sandbox=sandbox,
+                                     reward_registry=self.registry, tokenizer=self.tokenizer,
+                                     cfg=self.cfg)
+        except ValueError as exc:  # a module that does not import or register
+            raise ConfigError(f"environment.modules: {exc}") from None
+        return environments
+
+    def _multi_turn(self):
+        """The multi-turn rollout (rollout/multi_turn.py) when a prompt's environment is
+        multi-turn, None otherwise (the single-turn loop, exactly as before environments).
+        Each environment's stop texts become stop token ids here, at start: one that is not a
+        single token of the tokenizer is a ConfigError before anything runs."""
+        from megatron_rl.environments import stop_token_ids, turn_format_for
+        from megatron_rl.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
+
+        cfg, data = self.cfg, self.data
+        records = [*data.train_records, *data.heldout_records]
+        if not self.environments.any_multi_turn(records):
+            return None
+        end_of_turn = end_of_turn_ids(self.tokenizer, cfg.model.hf_checkpoint)
+        # One per environment object, by identity: a user's environment need not be hashable.
+        known: dict[int, MultiTurnSettings] = {}
+
+        def settings_for(environment) -> MultiTurnSettings:
+            if id(environment) not in known:
+                try:
+                    stops = stop_token_ids(self.tokenizer, environment.stop_texts)
+                except ValueError as exc:
+                    raise ConfigError(f"{type(environment).__name__} stop texts: {exc}") \
+                        from None
+                known[id(environment)] = MultiTurnSettings(
+                    max_turns=cfg.environment.max_turns,
+                    max_trajectory_tokens=cfg.max_trajectory_tokens, turn_stop_ids=stops,
+                    end_of_turn_ids=end_of_turn)
+            return known[id(environment)]
+
+        for task in {record.task for record in records}:  # stop texts checked now, not mid-run
+            environment = self.environments.for_task(task)
+            if environment.multi_turn:
+                settings_for(environment)
+        return MultiTurnRollout(
+            environments=lambda record: self.environments.for_task(record.task),
+            turn_format=turn_format_for(self.tokenizer, cfg.environment.observation_template),
+            settings_for=settings_for, decode=self.tokenizer.decode)
 
     def _reserve_open_files(self) -> None:
         """A socket per request in flight (the engines hold the queue, async_client.py): the
@@ -182,7 +244,8 @@ class RunSetup:
             params=SamplingParams.for_training(cfg.rollout, max_new_tokens=1, seed=cfg.seed),
             interruption=interruption, score=self.registry.score_many,
             decode=self.tokenizer.decode,
-            max_finished_groups=self.gate.settings.max_outstanding_groups, seed=cfg.seed)
+            max_finished_groups=self.gate.settings.max_outstanding_groups, seed=cfg.seed,
+            multi_turn=self.multi_turn)
         self.health = GeneratorHealth(
             cfg, self.out, cluster=cluster, loop=self.loop, manager=self.manager,
             clients=self.clients, math_verifier=self.math_verifier, version=lambda: self.version,
@@ -199,7 +262,8 @@ class RunSetup:
         self.validation = HeldoutValidation(
             cfg, self.out, tokenizer=self.tokenizer, registry=self.registry,
             records=self.data.heldout_records, prompt_ids=self.data.heldout_prompt_ids,
-            manager=self.manager, interruption=interruption, wait=self.health.wait)
+            manager=self.manager, interruption=interruption, wait=self.health.wait,
+            multi_turn=self.multi_turn)
 
     def _new_client(self, url: str):
         from megatron_rl.rollout.async_client import AsyncSGLangClient
@@ -339,3 +403,23 @@ class RunSetup:
         next_id, outstanding = self.loop.run(
             lambda: (self.manager.next_group_id, self.manager.outstanding_group_ids()))
         ledger.record_end(self.out, next_group_id=next_id, outstanding=outstanding)
+
+
+def end_of_turn_ids(tokenizer, model_dir: str) -> tuple[int, ...]:
+    """The token ids that end a generation: config.json's eos_token_id and
+    generation_config.json's, an int or a list each, which SGLang stops on (0.5.23
+    srt/configs/model_config.py ModelConfig._get_hf_eos_token_id), and the tokenizer's
+    eos_token_id (the same id in practice). A turn that ends with one is closed: the chat
+    template's end of message is already in the sequence (TurnFormat turn_closed)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    configs = [AutoConfig.from_pretrained(model_dir)]
+    try:
+        configs.append(GenerationConfig.from_pretrained(model_dir))
+    except OSError:  # no generation_config.json
+        pass
+    for config in configs:
+        eos = getattr(config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else eos or ())
+    return tuple(sorted(i for i in ids if i is not None))

@@ -1,11 +1,13 @@
 """The prompts of a training run, read before anything starts or is written: the records of
 data.prompts (a prompt file in any accepted layout, docs/data.md, or `rg/<dataset>` generated),
-checked against the reward registry, split into training and held-out prompts, and tokenized as
-the policy sees them; and the check that the rollout budgets fit the model's context. Every
+checked against the reward registry (and the environments, when the run has them), split into
+training and held-out prompts, and tokenized as the policy sees them (a multi-turn environment's
+first messages, `Environment.initial_messages`; the record's conversation otherwise); and the
+check that the rollout budgets (a multi-turn trajectory's too) fit the model's context. Every
 problem is a ConfigError, one line "WHERE: what is wrong; the fix" (the driver prints it and
 exits with status 2), WHERE being the file and line (or row) of the offending prompt.
 
-The registry is only read (its registrations): its verifiers need not be running.
+The registries are only read (their registrations): their verifiers need not be running.
 """
 from __future__ import annotations
 
@@ -27,17 +29,21 @@ class RunPrompts:
     heldout_prompt_ids: list[list[int]]  # heldout_records[i] as token ids
 
 
-def load_run_prompts(cfg: RunConfig, tokenizer, registry) -> RunPrompts:
-    """The run's prompts, split and tokenized; ConfigError for any problem with them."""
+def load_run_prompts(cfg: RunConfig, tokenizer, registry, environments=None) -> RunPrompts:
+    """The run's prompts, split and tokenized; ConfigError for any problem with them.
+    `environments` (an EnvironmentRegistry; None: every task is its verifier) decides which
+    prompts are multi-turn: their environment checks them and gives their first messages."""
     check_context_length(cfg)
     records, locations, source = _read_records(cfg)
-    _check_gradable(records, locations, registry)
+    multi_turn = _check_gradable(records, locations, registry, environments)
+    if any(multi_turn):
+        check_trajectory_length(cfg)
     num_heldout = cfg.eval.num_heldout_prompts
     if num_heldout >= len(records):
         raise ConfigError(f"eval.num_heldout_prompts: {num_heldout} held-out prompts leave none "
                           f"of the {len(records)} prompts of {source} to train on; set it below "
                           f"{len(records)} or give more prompts")
-    token_ids = _tokenize(records, locations, tokenizer)
+    token_ids = _tokenize(records, locations, tokenizer, environments, multi_turn)
     _check_prompt_lengths(cfg, records, locations, token_ids)
     train, heldout = split_heldout(records, num_heldout=num_heldout, seed=_split_seed(cfg))
     ids_of = {record.prompt_id: ids for record, ids in zip(records, token_ids)}
@@ -50,21 +56,26 @@ def _split_seed(cfg: RunConfig) -> int:
     return cfg.seed if cfg.data.split_seed is None else cfg.data.split_seed
 
 
-def check_context_length(cfg: RunConfig) -> None:
-    """The longest request (rollout.max_prompt_tokens + thinking_budget + solution_budget) must
-    fit the checkpoint's context (max_position_embeddings of its text model): SGLang refuses a
-    longer one (HTTP 400) and every generation would fail."""
+def _model_context(cfg: RunConfig) -> int | None:
+    """max_position_embeddings of the checkpoint's text model (None: no checkpoint, or unset)."""
     from transformers import AutoConfig
 
     path = cfg.model.hf_checkpoint
     if path is None:
-        return
+        return None
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.hf_checkpoint: {path} has no config.json transformers can "
                           f"read ({exc}); give a Hugging Face model folder") from None
-    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def check_context_length(cfg: RunConfig) -> None:
+    """The longest request (rollout.max_prompt_tokens + thinking_budget + solution_budget) must
+    fit the checkpoint's context (max_position_embeddings of its text model): SGLang refuses a
+    longer one (HTTP 400) and every generation would fail."""
+    path, context = cfg.model.hf_checkpoint, _model_context(cfg)
     rollout = cfg.rollout
     if context is not None and rollout.max_sequence_tokens > context:
         raise ConfigError(
@@ -73,6 +84,26 @@ def check_context_length(cfg: RunConfig) -> None:
             f"{rollout.solution_budget} = {rollout.max_sequence_tokens} tokens, more than the "
             f"model's context of {context} (max_position_embeddings in {path}/config.json), so "
             "the generators would refuse every request; lower them to fit")
+
+
+def check_trajectory_length(cfg: RunConfig) -> None:
+    """With multi-turn prompts, a prompt and its longest trajectory (rollout.max_prompt_tokens +
+    RunConfig.max_trajectory_tokens) is one trained sequence and the last turn's request: it
+    must fit a micro-batch (the trainer refuses a longer sequence) and the model's context."""
+    longest = cfg.rollout.max_prompt_tokens + cfg.max_trajectory_tokens
+    what = (f"rollout.max_prompt_tokens + the trajectory budget (environment."
+            f"max_trajectory_tokens, or max_turns x (thinking_budget + solution_budget)) = "
+            f"{cfg.rollout.max_prompt_tokens} + {cfg.max_trajectory_tokens} = {longest} tokens")
+    if cfg.train.micro_batch_max_tokens < longest:
+        raise ConfigError(f"train.micro_batch_max_tokens: {cfg.train.micro_batch_max_tokens} "
+                          f"cannot hold a multi-turn trajectory: {what}; raise it to >= "
+                          f"{longest} or lower environment.max_trajectory_tokens / max_turns")
+    context = _model_context(cfg)
+    if context is not None and longest > context:
+        raise ConfigError(f"environment.max_trajectory_tokens: {what}, more than the model's "
+                          f"context of {context} (max_position_embeddings in "
+                          f"{cfg.model.hf_checkpoint}/config.json); lower it (or max_turns) to "
+                          "fit")
 
 
 def _read_records(cfg: RunConfig) -> tuple[list[PromptRecord], list[str], str]:
@@ -94,15 +125,19 @@ def _read_records(cfg: RunConfig) -> tuple[list[PromptRecord], list[str], str]:
     return prompts.records, prompts.locations, source
 
 
-def _check_gradable(records: list[PromptRecord], locations: list[str], registry) -> None:
-    """Every prompt's task has a reward, and the prompt has what that reward needs."""
-    from megatron_rl.rewards.registry import UnknownTaskError
-
-    problems = []
+def _check_gradable(records: list[PromptRecord], locations: list[str], registry,
+                    environments) -> list[bool]:
+    """Every prompt's task has a reward (or a multi-turn environment), and the prompt has what
+    that needs; which prompts are multi-turn (their environment checks them)."""
+    problems, multi_turn = [], []
     for record, where in zip(records, locations):
         try:
+            multi_turn.append(environments is not None
+                              and environments.for_task(record.task).multi_turn)
+            if multi_turn[-1]:
+                continue
             missing = registry.missing_fields(record)
-        except UnknownTaskError as exc:
+        except ValueError as exc:  # UnknownTaskError, from either registry
             problems.append(f"{where}: {exc}")
             continue
         if missing:
@@ -112,13 +147,22 @@ def _check_gradable(records: list[PromptRecord], locations: list[str], registry)
     if problems:
         more = f" ({len(problems)} prompts cannot be graded)" if len(problems) > 1 else ""
         raise ConfigError(problems[0] + more)
-
-
-def _tokenize(records: list[PromptRecord], locations: list[str], tokenizer) -> list[list[int]]:
-    token_ids = []
-    for record, where in zip(records, locations):
+    if any(multi_turn):
         try:
-            token_ids.append(prompt_token_ids(tokenizer, record.conversation))
+            environments.check([r for r, multi in zip(records, multi_turn) if multi])
+        except ValueError as exc:
+            raise ConfigError(f"data.prompts: {exc}") from None
+    return multi_turn
+
+
+def _tokenize(records: list[PromptRecord], locations: list[str], tokenizer, environments,
+              multi_turn: list[bool]) -> list[list[int]]:
+    token_ids = []
+    for record, where, multi in zip(records, locations, multi_turn):
+        try:
+            conversation = (environments.for_task(record.task).initial_messages(record) if multi
+                            else record.conversation)
+            token_ids.append(prompt_token_ids(tokenizer, conversation))
         except ValueError as exc:  # a conversation and no chat template
             raise ConfigError(f"{where}: prompt {record.prompt_id!r}: {exc}") from None
     return token_ids

@@ -146,13 +146,15 @@ def default_registry(*, math_verifier: MathVerifier, sandbox: Sandbox,
     return registry
 
 
-def start_run_verifiers(run, stack) -> tuple[MathVerifier, RewardRegistry]:
+def start_run_verifiers(run, stack) -> tuple[MathVerifier, Sandbox, RewardRegistry]:
     """A training run's verifiers: the math-verify workers and the code sandbox (closed by the
-    ExitStack `stack`) behind the default registry."""
+    ExitStack `stack`) behind the default registry. The sandbox is returned too: the tool
+    environment runs the model's calls in it (environments/)."""
     from megatron_rl.rewards.sandbox import SandboxConfig
 
     math_verifier = MathVerifier()
     stack.callback(math_verifier.close)
     sandbox = Sandbox(SandboxConfig.from_run_config(run))
     stack.callback(sandbox.close)
-    return math_verifier, default_registry(math_verifier=math_verifier, sandbox=sandbox)
+    return math_verifier, sandbox, default_registry(math_verifier=math_verifier,
+                                                    sandbox=sandbox)

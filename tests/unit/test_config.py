@@ -130,6 +130,11 @@ def test_derived_parallel_sizes_and_paths():
     cfg = load_config(None, ["output_dir=/runs/a", "logging.tensorboard_dir=/tb/a"])
     assert cfg.checkpoint_dir == "/runs/a/checkpoints"
     assert cfg.tensorboard_dir == "/tb/a"
+    # a multi-turn trajectory's budget: max_turns x (12288 + 2048) unless set
+    assert cfg.max_trajectory_tokens == 8 * 14336
+    assert load_config(None, ["environment.max_turns=3"]).max_trajectory_tokens == 3 * 14336
+    assert load_config(None, ["environment.max_trajectory_tokens=20000"]) \
+        .max_trajectory_tokens == 20000
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -182,6 +187,22 @@ def test_derived_parallel_sizes_and_paths():
      ["rollout.max_off_policyness"]),
     (["model.name=gpt5"], ["model.name", "llama, llama4, qwen3_moe"]),
     (["model.size=huge"], ["model.size", "'huge'", "tiny"]),
+    # environments and multi-turn trajectories
+    (["environment.modules=my_envs"], ["environment.modules", "expected a list, each a string"]),
+    (["environment.modules=[3]"], ["environment.modules[0]", "expected a string"]),
+    (["environment.modules=[envs/mine.py]"], ["environment.modules", "'envs/mine.py'",
+                                               "not a file path"]),
+    (["environment.max_turns=0"], ["environment.max_turns", "must be >= 1"]),
+    (["environment.max_trajectory_tokens=1000"], ["environment.max_trajectory_tokens",
+                                                  "one turn's budget", ">= 14336"]),
+    (["environment.tool_call_close=<tool>"], ["environment.tool_call_close",
+                                              "distinct open and close"]),
+    (["environment.tool_call_open=' '"], ["environment.tool_call_open", "empty"]),
+    (["environment.tool_wall_time_s=0"], ["environment.tool_wall_time_s", "must be > 0.0"]),
+    (["environment.observation_template='<out>{text}</out>'"],
+     ["environment.observation_template", "{content}", "['text']"]),
+    (["environment.observation_template='<out>{content'"],
+     ["environment.observation_template", "not a format string"]),
 ])
 def test_errors_name_the_field_and_the_fix(overrides, expected):
     with pytest.raises(ConfigError) as info:
@@ -250,6 +271,8 @@ def test_save_load_round_trip(tmp_path):
         "algorithm.loss=dapo", "algorithm.eps_high=0.26", "train.lr=3e-7", "train.clip_grad=0",
         "optimizer.adam_eps=1e-8", "eval.warmup_compute_gpu_hours=1234.5",
         "checkpoint.load=null", "logging.log_interval=10",
+        "environment.modules=[my_envs, pkg.more_envs]", "environment.max_trajectory_tokens=40000",
+        "environment.observation_template='<output>{content}</output>'",
     ])
     path = tmp_path / "sub" / "config.yaml"
     save_config(cfg, path)
@@ -257,6 +280,7 @@ def test_save_load_round_trip(tmp_path):
     assert loaded == cfg
     assert config_to_dict(loaded) == config_to_dict(cfg)
     assert loaded.name == "1e5" and loaded.train.clip_grad == 0.0
+    assert loaded.environment.modules == ("my_envs", "pkg.more_envs")
     assert load_config(None, []) != cfg
     # without comments too, and across processes (pickle: Ray / multiprocessing)
     path.write_text(config_to_yaml(cfg, comments=False))
@@ -351,7 +375,7 @@ def test_config_to_dict_is_plain_nested():
     assert data["rollout"]["samples_per_prompt"] == 16
     assert set(data) == {"name", "output_dir", "seed", "model", "parallelism", "rollout",
                          "weight_sync", "algorithm", "train", "optimizer", "eval", "checkpoint",
-                         "data", "cluster", "logging"}
+                         "data", "cluster", "logging", "environment"}
 
 
 def test_docs_and_default_recipe_are_generated_from_the_code():

@@ -69,8 +69,9 @@ BAD_INPUTS = [
          r"it or remove the prompt$"),
     ("unknown task tag",
      lambda d: _twelve(d / "p.jsonl", replace={2: _math(2, task="algebra")}),
-     [], r"{file}:3: no reward function for task 'algebra'; registered tasks: \['code', 'math', "
-         r"'rg/\*'\]\. Fix the prompt's 'task' field"),
+     [], r"{file}:3: no environment for task 'algebra': environments are registered for "
+         r"\['tool/\*'\] and rewards for \['code', 'math', 'rg/\*'\]\. Fix the prompt's 'task' "
+         r"field or register one"),
     ("broken JSON line",
      lambda d: _twelve(d / "p.jsonl", replace={6: '{"id": "m6", "task": "math",'}),
      [], r"{file}:7: not valid JSON \(.*\); each line must be one complete JSON object$"),
@@ -212,3 +213,88 @@ def test_generated_prompts_and_saved_files_in_our_layout(tmp_path, checkpoint, r
     assert again == run
     with pytest.raises(ConfigError, match=r"data.prompts: unknown reasoning-gym dataset 'nope'"):
         load_run_prompts(_config("rg/nope", checkpoint), tokenizer, registry)
+
+
+class _ToolEnvironment:
+    """Stand-in of a multi-turn Environment (environments/base.py): its first messages put a
+    system message before the record's conversation."""
+
+    multi_turn = True
+
+    def initial_messages(self, record):
+        return [{"role": "system", "content": "Be brief."}, *record.conversation]
+
+
+class _Environments:
+    """Stand-in of environments/registry.py EnvironmentRegistry: "tool/..." tasks are
+    multi-turn, the others their (single-turn) verifier; `check` records what it was given."""
+
+    def __init__(self, problem: str | None = None):
+        self.checked, self.problem = [], problem
+
+    def for_task(self, task):
+        if task.startswith("tool/"):
+            return _ToolEnvironment()
+        return type("Verifier", (), {"multi_turn": False})()
+
+    def check(self, records):
+        self.checked += records
+        if self.problem:
+            raise ValueError(self.problem)
+
+
+def test_multi_turn_prompts_start_from_their_environments_first_messages(
+        tmp_path, checkpoint, registry):
+    from transformers import AutoTokenizer
+
+    from megatron_rl.data.run_prompts import load_run_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    rows = [_math(i, task="tool/math" if i % 2 else "math") for i in range(12)]
+    prompts = _jsonl(tmp_path / "p.jsonl", rows)
+    environments = _Environments()
+    # A prompt and its longest trajectory (80 + 8 turns x (24 + 40) = 592) is one sequence.
+    with pytest.raises(ConfigError, match=r"train.micro_batch_max_tokens: 512 cannot hold a "
+                       r"multi-turn trajectory: .* = 80 \+ 512 = 592 tokens; raise it to >= 592"):
+        load_run_prompts(_config(prompts, checkpoint), tokenizer, registry, environments)
+    run = load_run_prompts(_config(prompts, checkpoint, "environment.max_turns=3"), tokenizer,
+                           registry, environments)
+    tool_records = [r for r in run.train_records + run.heldout_records if r.task == "tool/math"]
+    assert len(tool_records) == 6 and all(r in environments.checked for r in tool_records)
+    assert not [r for r in environments.checked if r.task == "math"]  # the reward checks those
+    for records, ids in ((run.train_records, run.train_prompt_ids),
+                         (run.heldout_records, run.heldout_prompt_ids)):
+        for record, prompt_ids in zip(records, ids):
+            system = "[system] Be brief.\n" if record.task == "tool/math" else ""
+            assert prompt_ids == tokenizer.encode(f"{system}[user] {record.prompt}\n[assistant]",
+                                                  add_special_tokens=False), record.prompt_id
+    # Without environments (or a run of single-turn tasks) every prompt is its conversation.
+    plain = load_run_prompts(_config(_twelve(tmp_path / "q.jsonl"), checkpoint), tokenizer,
+                             registry, _Environments())
+    assert plain == load_run_prompts(_config(tmp_path / "q.jsonl", checkpoint), tokenizer,
+                                     registry)
+    with pytest.raises(ConfigError, match=r"^data.prompts: 1 prompt\(s\) lack their answer$"):
+        load_run_prompts(_config(prompts, checkpoint, "environment.max_turns=3"), tokenizer,
+                         registry, _Environments("1 prompt(s) lack their answer"))
+
+
+def test_the_ids_that_close_a_turn_are_every_eos_sglang_stops_on(tmp_path, checkpoint):
+    """config.json's eos_token_id and generation_config.json's (an int or a list), as SGLang
+    unions them (srt/configs/model_config.py _get_hf_eos_token_id), and the tokenizer's."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig
+
+    from megatron_rl.run_setup import end_of_turn_ids
+
+    model = shutil.copytree(checkpoint, tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert tokenizer.eos_token_id == 2  # "</s>"
+    config = LlamaConfig.from_pretrained(model)
+    config.eos_token_id = 7
+    config.save_pretrained(model)
+    assert end_of_turn_ids(tokenizer, model) == (2, 7)
+    GenerationConfig(eos_token_id=[7, 150]).save_pretrained(model)
+    assert end_of_turn_ids(tokenizer, model) == (2, 7, 150)
