@@ -208,6 +208,8 @@ def evaluate(output_dir: str | Path, *, num_prompts: int, num_samples: int, eval
         "trajectory_tokens_mean": statistics.fmean(lengths),
         "trajectory_tokens_max": lengths[-1],
         "examples": [{k: t[k] for k in ("text", "reason")} for t in trajectories[:6]],
+        "failed_with_tool": [{k: t[k] for k in ("text", "reason")}
+                             for t in with_tool if not t["passed"]][:6],
     }
 
 

@@ -7,8 +7,8 @@ problem's own metadata, in exactly the token layout the multi-turn rollout produ
     <think>347 * 29</think><tool>print(347 * 29)</tool>      the model's first turn (ends at the
                                                             stop text "</tool>")
     <output>10063\\n</output>                                 the observation: what the sandbox
-                                                            prints (print adds "\\n") in the
-                                                            recipe's environment.observation_template
+                                                            prints (print adds "\\n"), in the
+                                                            recipe's observation_template
     <answer>10063</answer>                                  the model's last turn (then EOS)
 
 or, without the tool, a direct answer "<think>347 * 29</think><answer>10063</answer>" that a
@@ -40,9 +40,12 @@ OBSERVATION_TEMPLATE = OUTPUT_OPEN + "{content}" + OUTPUT_CLOSE  # environment.o
 # The demo tokenizer's added tokens: the thinking / answer tags and the tool-call and observation
 # tags, each one token (the stop text "</tool>" must be one token: SGLang stops on token ids).
 TOOL_TAG_TOKENS = (*TAG_TOKENS, TOOL_OPEN, TOOL_CLOSE, OUTPUT_OPEN, OUTPUT_CLOSE)
-TOOL_INSTRUCTION = ("\n\nYou may run Python code between <tool> and </tool>; its output comes "
-                    "back between <output> and </output>. Give only the final answer between "
-                    "<answer> and </answer> tags.")
+# The tag protocol is not spelled out: each tag in a prompt is a token of its own, and the demo's
+# model reads back only within 48-token attention chunks (models/llama4/config.py "demo"): with
+# the tags named (22 prompt tokens) the answer crossed into the second chunk and the warm-up model
+# often failed to copy the tool's output into it. This text merges into a token or two, so prompt
+# and whole trajectory (<= 10 + 38 tokens) fit one chunk.
+TOOL_INSTRUCTION = "\n\nYou may run Python code with the tool."
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
