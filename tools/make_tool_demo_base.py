@@ -58,6 +58,8 @@ class BuildSettings:
     init_seed: int = 0
     # Fraction of the warm-up trajectories that call the tool (the others guess directly).
     tool_fraction: float = 0.5
+    # The warm-up. Measured on 64 held-out prompts x 4 samples at T=1 (docs/sft.md "Tool-use
+    # demo"): the tool in 55 % of the trajectories, pass rate 0.74 with it and 0.0 without.
     num_steps: int = 300
     batch_size: int = 32
     lr: float = 3e-3
@@ -67,9 +69,11 @@ class BuildSettings:
 
     @classmethod
     def tiny(cls) -> BuildSettings:
-        """A small build for tests (fewer problems and steps) that still writes the call
-        format most of the time."""
-        return cls(num_rl_prompts=64, num_sft_examples=400, num_steps=60)
+        """A small build for tests: a 64-prompt pool and half the warm-up (150 steps on the
+        same 3,000 problems; fewer problems overfit). Measured (--evaluate 16 --samples 4): 59 %
+        of the trajectories call the tool, but the copies into the call and the answer are
+        still unreliable (pass rate 0.03); the default build's 300 steps make them reliable."""
+        return cls(num_rl_prompts=64, num_steps=150)
 
 
 def build(output_dir: str | Path, settings: BuildSettings = BuildSettings(), *,
