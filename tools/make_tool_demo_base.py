@@ -69,11 +69,12 @@ class BuildSettings:
 
     @classmethod
     def tiny(cls) -> BuildSettings:
-        """A small build for tests: a 64-prompt pool and half the warm-up (150 steps on the
-        same 3,000 problems; fewer problems overfit). Measured (--evaluate 16 --samples 4): 59 %
-        of the trajectories call the tool, but the copies into the call and the answer are
-        still unreliable (pass rate 0.03); the default build's 300 steps make them reliable."""
-        return cls(num_rl_prompts=64, num_steps=150)
+        """A small build for tests: a 64-prompt pool, 200 warm-up steps (of the default 300) and
+        three quarters of the trajectories with the tool, so that most of an e2e run's
+        trajectories are multi-turn and groups have mixed rewards. Measured
+        (--evaluate 16 --samples 4): the tool in 78 % of the trajectories, pass rate 0.64 with
+        it, 0.0 without; 27 s of build at load average ~1."""
+        return cls(num_rl_prompts=64, num_steps=200, tool_fraction=0.75)
 
 
 def build(output_dir: str | Path, settings: BuildSettings = BuildSettings(), *,
