@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST := $(PY) -m pytest
 
-.PHONY: setup test test-unit test-dist test-integration test-e2e demo bench clean-venv
+.PHONY: setup test test-unit test-dist test-integration test-e2e demo demo-tools bench clean-venv
 
 setup: $(STAMP)
 
@@ -29,6 +29,10 @@ test-e2e: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m examples.demo.run
+
+# The tool-use demo (examples/tool_demo/run.py): multi-turn rollouts with a Python tool.
+demo-tools: $(STAMP)
+	$(PY) -m examples.tool_demo.run
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

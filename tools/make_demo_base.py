@@ -114,8 +114,11 @@ def build(output_dir: str | Path, settings: BuildSettings = BuildSettings(), *,
     return record
 
 
-def _random_init(directory: Path, tokenizer_texts: list[str], *, seed: int) -> Path:
-    """The demo size with random weights (fp32) and a tokenizer trained on the task's text."""
+def _random_init(directory: Path, tokenizer_texts: list[str], *, seed: int,
+                 added_tokens: tuple[str, ...] | None = None) -> Path:
+    """The demo size with random weights (fp32) and a tokenizer trained on the task's text
+    (`added_tokens`: its single-token tags; None: the tokenizer's default, the thinking and
+    answer tags)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -126,7 +129,9 @@ def _random_init(directory: Path, tokenizer_texts: list[str], *, seed: int) -> P
     config_dict = dict(get_model_family(MODEL_FAMILY).hf_config(MODEL_SIZE))
     # The forced-interruption phrase as often as a fifth of the texts: compact like the prompts.
     phrase = [INTERRUPTION_PHRASE] * (len(tokenizer_texts) // 5)
-    tokenizer = train_tokenizer([*tokenizer_texts, *phrase], vocab_size=config_dict["vocab_size"])
+    extra = {} if added_tokens is None else {"added_tokens": added_tokens}
+    tokenizer = train_tokenizer([*tokenizer_texts, *phrase], vocab_size=config_dict["vocab_size"],
+                                **extra)
     ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
            "eos_token_id": tokenizer.eos_token_id}
     mismatched = {k: (v, config_dict.get(k)) for k, v in ids.items() if config_dict.get(k) != v}

@@ -16,7 +16,8 @@ from typing import Any
 
 from megatron_rl.data.records import PromptRecord
 from megatron_rl.data.sft_examples import SFTExample
-from megatron_rl.data.sources import PROCEDURAL_TASK_PREFIX, reasoning_gym_prompts
+from megatron_rl.data.sources import (PROCEDURAL_INSTRUCTION, PROCEDURAL_TASK_PREFIX,
+                                      reasoning_gym_prompts)
 
 
 def _chain_sum_solution(record: PromptRecord, *, long: bool = False) -> str:
@@ -65,9 +66,11 @@ def worked_solution(record: PromptRecord, *, long: bool = False) -> str:
 
 def unique_reasoning_gym_prompts(dataset: str, *, num_prompts: int, seed: int,
                                  config: Mapping[str, Any] | None = None,
-                                 exclude_prompts: Collection[str] = ()) -> list[PromptRecord]:
-    """The first `num_prompts` generated problems (in index order) whose prompt text is new: not
-    an earlier one's and not in `exclude_prompts`. Deterministic in (dataset, seed, config)."""
+                                 exclude_prompts: Collection[str] = (),
+                                 instruction: str = PROCEDURAL_INSTRUCTION) -> list[PromptRecord]:
+    """The first `num_prompts` generated problems (in index order) whose prompt text (question +
+    `instruction`) is new: not an earlier one's and not in `exclude_prompts`. Deterministic in
+    (dataset, seed, config, instruction)."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     excluded = set(exclude_prompts)
@@ -84,7 +87,7 @@ def unique_reasoning_gym_prompts(dataset: str, *, num_prompts: int, seed: int,
         size = max(2 * num_generated, 2 * num_prompts, 64)
         try:
             records = reasoning_gym_prompts(dataset, num_prompts=size, seed=seed,
-                                            config=config)[num_generated:]
+                                            config=config, instruction=instruction)[num_generated:]
         except (TypeError, AssertionError) as err:  # reasoning-gym's own config checks
             raise ValueError(f"rg/{dataset} refuses the config {dict(config or {})}: {err}; "
                              "use the fields of its config class (reasoning_gym."
