@@ -1,5 +1,6 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (the test suite).
-# Both install the pinned environment first if it is missing or older than the requirements.
+# The two commands of the README: `make demo` (the main job) and `make test` (the test suite);
+# `make demo-tools` is the multi-turn tool-use demo (README, docs/environments.md).
+# All three install the pinned environment first if it is missing or older than the requirements.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

@@ -20,6 +20,9 @@ tp_ep=(tests/integration/test_sglang_tp_ep_tp2.py tests/integration/test_sglang_
 tp_ep2_moe=tests/integration/test_sglang_tp_ep2_moe.py
 lifetime=tests/integration/test_engine_lifetime.py
 colocated=tests/e2e/test_train_colocated.py
+# The multi-turn tool-use run (~4 min: the tool demo's tiny warm-up, then 4 steps) with the unit
+# and dist tiers, the stream with room (13m44 in CI, the others 20-24.5 min).
+tool_use=tests/e2e/test_tool_use.py
 # The GPU image's install set resolved against PyPI (pip --dry-run): ~2.5 min of mostly network
 # wait, so a stream of its own adds little CPU and no wall time to the others.
 image=tests/integration/test_gpu_image.py
@@ -37,10 +40,10 @@ chaos=tests/e2e/test_fault_tolerance.py::test_chaos_generators_trainer_and_rewar
 # validation on 64 engines ~1.5 min, the faults ~50 s, 256 engines ~30 s), beside the node-loss
 # run and the demo.
 scale=tests/scale
-streams=("tests/e2e --ignore=$colocated --ignore=$demo --ignore=$sweep --deselect=$node_loss --deselect=$chaos"
+streams=("tests/e2e --ignore=$colocated --ignore=$tool_use --ignore=$demo --ignore=$sweep --deselect=$node_loss --deselect=$chaos"
          "$node_loss $demo $scale"
          "tests/integration ${tp_ep[*]/#/--ignore=} --ignore=$tp_ep2_moe --ignore=$lifetime --ignore=$image"
-         "tests/unit tests/dist ${tp_ep[*]} $colocated"
+         "tests/unit tests/dist ${tp_ep[*]} $colocated $tool_use"
          "$image $sweep $tp_ep2_moe $lifetime $chaos")
 pids=()
 for i in "${!streams[@]}"; do
