@@ -40,9 +40,21 @@ ROOMY = SandboxLimits(wall_time_s=20.0, cpu_time_s=20.0, memory_bytes=256 << 20,
                       tmpfs_bytes=4 << 20)
 
 
+# This module's sandboxes take uids of their own, outside SandboxConfig's default range: other
+# test streams run sandboxes at the same time (the environment unit tests, the tool-use e2e), and
+# the leftover checks below must see only this module's processes (CI once found another
+# stream's tool calls running). Below systemd's DynamicUser range (61184-65519).
+TEST_UIDS = (61100, 61180)
+assert TEST_UIDS[0] >= DEFAULT_UID_RANGE[1]
+
+
+def _config(**fields) -> SandboxConfig:
+    return SandboxConfig(uid_range=TEST_UIDS, **fields)
+
+
 def _sandbox_processes() -> list[psutil.Process]:
-    """Live (non-zombie) processes running as any sandbox uid."""
-    lo, hi = DEFAULT_UID_RANGE
+    """Live (non-zombie) processes running as any of this module's sandbox uids."""
+    lo, hi = TEST_UIDS
     found = []
     for proc in psutil.process_iter(["uids", "status"]):
         uids = proc.info["uids"]
@@ -53,7 +65,7 @@ def _sandbox_processes() -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def sandbox():
-    with Sandbox(SandboxConfig(num_workers=2, limits=LIMITS)) as sb:
+    with Sandbox(_config(num_workers=2, limits=LIMITS)) as sb:
         assert sb.run("print('warm')").stdout == "warm\n"  # the server process now exists
         yield sb
 
@@ -160,7 +172,7 @@ for pattern in ("/proc/*/environ", "/proc/*/cmdline"):
             print(path, exc)
 """
     # A sandbox started while the secret is in this process's environment.
-    with Sandbox(SandboxConfig(num_workers=1, limits=LIMITS)) as sb:
+    with Sandbox(_config(num_workers=1, limits=LIMITS)) as sb:
         result = sb.run(program)
         reward = CodeReward(sb, CodeRewardConfig())(
             f"</think>```python\n{program}\n```",
@@ -178,7 +190,7 @@ def test_no_network_to_a_host_listener(isolation):
         port = listener.getsockname()[1]
         program = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), "
                    "timeout=1)\nprint('connected')")
-        with Sandbox(SandboxConfig(num_workers=1, limits=LIMITS, isolation=isolation)) as sb:
+        with Sandbox(_config(num_workers=1, limits=LIMITS, isolation=isolation)) as sb:
             result = sb.run(program)
         assert result.isolation == ("namespaces" if isolation == "auto" else "seccomp")
         assert result.status == "runtime_error" and "connected" not in result.stdout
@@ -235,7 +247,7 @@ print(sorted(p for p in os.listdir("/proc") if p.isdigit()))
 
 
 def test_seccomp_fallback_contains_fork_bombs_too():
-    with Sandbox(SandboxConfig(num_workers=1, limits=ROOMY, isolation="seccomp")) as sb:
+    with Sandbox(_config(num_workers=1, limits=ROOMY, isolation="seccomp")) as sb:
         bomb = sb.run("import os\nwhile True:\n    os.fork()")
         escaped = sb.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n"
                          "    time.sleep(120)\nprint('bye')")
@@ -403,7 +415,7 @@ def test_stopping_the_checker_in_the_seccomp_fallback_is_the_programs_failure():
     """Without a PID namespace the checker (init) is a process of the run's uid that the
     program can kill or stop: the tests then fail as the program's doing, never pass and never
     become "the checker failed" (sandbox_error)."""
-    with Sandbox(SandboxConfig(num_workers=1, limits=LIMITS, isolation="seccomp")) as sb:
+    with Sandbox(_config(num_workers=1, limits=LIMITS, isolation="seccomp")) as sb:
         for sig in ("SIGKILL", "SIGSTOP", "SIGINT"):
             program = (f"import os, signal\ndef f(x):\n    return x\n"
                        f"os.kill(os.getppid(), signal.{sig})\n")
@@ -434,7 +446,7 @@ def interrupt():
 threading.Thread(target=interrupt, daemon=True).start()
 """
     tests = tuple("for i in range(100):\n    assert f(i) == i\n" for _ in range(3))
-    with Sandbox(SandboxConfig(num_workers=1, limits=ROOMY, isolation=isolation)) as sb:
+    with Sandbox(_config(num_workers=1, limits=ROOMY, isolation=isolation)) as sb:
         for _ in range(3):  # the interrupt lands at a different point each time
             result = sb.run(program, tests=tests)
             if isolation == "namespaces":
@@ -549,7 +561,7 @@ for _ in range(4):
     children.append(pid)
 print([os.waitpid(pid, 0)[1] for pid in children])
 """
-    with Sandbox(SandboxConfig(num_workers=1, limits=ROOMY)) as sb:
+    with Sandbox(_config(num_workers=1, limits=ROOMY)) as sb:
         result = sb.run(program)
     _assert_per_run_memory(result, caplog)
 
@@ -566,7 +578,7 @@ for i in range(8):
 print("kept", len(files) * 60, "MiB")
 """
     limits = dataclasses.replace(ROOMY, file_size_bytes=64 << 20)
-    with Sandbox(SandboxConfig(num_workers=1, limits=limits)) as sb:
+    with Sandbox(_config(num_workers=1, limits=limits)) as sb:
         result = sb.run(program)
         if result.cgroup == "none":  # then memfd is refused instead
             assert result.status == "runtime_error" and "PermissionError" in result.stderr
@@ -611,7 +623,7 @@ print("fork ok", os.waitpid(pid, 0)[1] >> 8)
 
 @pytest.mark.parametrize("isolation", ["namespaces", "seccomp"])
 def test_kernel_attack_surface_is_filtered(isolation):
-    with Sandbox(SandboxConfig(num_workers=1, limits=LIMITS, isolation=isolation)) as sb:
+    with Sandbox(_config(num_workers=1, limits=LIMITS, isolation=isolation)) as sb:
         result = sb.run(KERNEL_SURFACE)
     assert result.status == "ok" and result.isolation == isolation, result.stderr
     lines = result.stdout.splitlines()
@@ -657,7 +669,7 @@ a, b = socket.socketpair()
 a.sendall(b"pair ok")
 print(b.recv(16).decode())
 """
-    with Sandbox(SandboxConfig(num_workers=1, limits=LIMITS, isolation=isolation)) as sb:
+    with Sandbox(_config(num_workers=1, limits=LIMITS, isolation=isolation)) as sb:
         result = sb.run(program)
     assert result.stdout == "refused PermissionError\nrefused PermissionError\npair ok\n"
 
@@ -735,7 +747,7 @@ try:
 except Exception as exc:
     print(exc)
 """
-    with Sandbox(SandboxConfig(num_workers=1, limits=LIMITS, isolation="seccomp")) as sb:
+    with Sandbox(_config(num_workers=1, limits=LIMITS, isolation="seccomp")) as sb:
         result = sb.run(program)
     assert result.status == "ok" and result.stdout == "shmget -1\n"  # SysV IPC refused
     assert not os.path.exists(f"/dev/shm/mrl-{tag}")
@@ -755,7 +767,7 @@ sys.stdin.read()  # hold them until told
 def test_uids_are_allocated_host_wide(tmp_path):
     """Another process's sandbox holds uids: this one never gets them, and gets them back when
     that process dies (even by SIGKILL)."""
-    lo = 61050
+    lo = TEST_UIDS[0] + 50
     lock_dir = str(tmp_path / "uids")
     other = subprocess.Popen([sys.executable, "-c", _HOLD_UIDS, str(lo), "2", lock_dir],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
