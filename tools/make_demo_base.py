@@ -72,17 +72,9 @@ def build(output_dir: str | Path, settings: BuildSettings = BuildSettings(), *,
     from megatron_rl.data.sft_examples import save_sft_examples
     from megatron_rl.data.worked_solutions import (unique_reasoning_gym_prompts,
                                                    worked_solution_examples)
-    from megatron_rl.sft import SFTSettings, run_sft
-    from models.llama4.convert import write_sglang_layout
 
     started = time.perf_counter()
-    output = Path(output_dir)
-    if output.exists() and any(output.iterdir()):
-        if not overwrite:
-            raise SystemExit(f"{output} is not empty; pass --overwrite to rebuild it")
-        shutil.rmtree(output)
-    output.mkdir(parents=True)
-
+    output = empty_output(output_dir, overwrite=overwrite)
     pool = unique_reasoning_gym_prompts(DATASET, num_prompts=settings.num_rl_prompts,
                                         seed=settings.rl_prompt_seed, config=TASK_CONFIG)
     save_prompts(pool, output / "prompts.jsonl")
@@ -91,9 +83,33 @@ def build(output_dir: str | Path, settings: BuildSettings = BuildSettings(), *,
         config=TASK_CONFIG, exclude_prompts={r.prompt for r in pool},
         long_fraction=settings.long_fraction)
     save_sft_examples(examples, output / "sft_data.jsonl")
+    return warm_up_and_export(output, examples, settings, started=started, progress=progress,
+                              task={"dataset": DATASET, "config": TASK_CONFIG})
+
+
+def empty_output(output_dir: str | Path, *, overwrite: bool) -> Path:
+    """`output_dir`, created empty (a non-empty one is refused unless `overwrite`)."""
+    output = Path(output_dir)
+    if output.exists() and any(output.iterdir()):
+        if not overwrite:
+            raise SystemExit(f"{output} is not empty; pass --overwrite to rebuild it")
+        shutil.rmtree(output)
+    output.mkdir(parents=True)
+    return output
+
+
+def warm_up_and_export(output: Path, examples, settings, *, started: float, progress: bool,
+                       task: dict, added_tokens=None) -> dict:
+    """Steps 2-5 on the SFT `examples` already in output/sft_data.jsonl (the pool in
+    output/prompts.jsonl): the tokenizer (with `added_tokens`, default the thinking / answer
+    tags) and random init, the warm-up, the SGLang layout, build.json (recording `task`); returns
+    what build.json records. Shared with tools/make_tool_demo_base.py."""
+    from megatron_rl.sft import SFTSettings, run_sft
+    from models.llama4.convert import write_sglang_layout
 
     tokenizer_texts = [text for e in examples for text in (e.prompt, e.response)]
-    init_dir = _random_init(output / "init", tokenizer_texts, seed=settings.init_seed)
+    init_dir = _random_init(output / "init", tokenizer_texts, seed=settings.init_seed,
+                            added_tokens=added_tokens)
     result = run_sft(SFTSettings(
         hf_checkpoint=str(init_dir), data=str(output / "sft_data.jsonl"),
         output_dir=str(output / "sft"), exclude_prompts=str(output / "prompts.jsonl"),
@@ -103,7 +119,7 @@ def build(output_dir: str | Path, settings: BuildSettings = BuildSettings(), *,
         hf_dtype="bfloat16", progress_bar=progress))
     model_dir = write_sglang_layout(result.hf_checkpoint, output / "model")
     record = {
-        "task": {"dataset": DATASET, "config": TASK_CONFIG},
+        "task": task,
         "model": {"family": MODEL_FAMILY, "size": MODEL_SIZE},
         "settings": dataclasses.asdict(settings),
         "sft_loss": {"first": result.losses[0], "last": result.losses[-1]},

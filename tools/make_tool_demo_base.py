@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ from pathlib import Path
 # Runnable from a checkout without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.make_demo_base import MODEL_FAMILY, MODEL_SIZE, _random_init, _sha256  # noqa: E402
+from tools.make_demo_base import empty_output, warm_up_and_export  # noqa: E402
 
 TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 3}
 
@@ -84,17 +83,9 @@ def build(output_dir: str | Path, settings: BuildSettings = BuildSettings(), *,
     from megatron_rl.data.sft_examples import save_sft_examples
     from megatron_rl.data.tool_solutions import (TOOL_TAG_TOKENS, TOOL_TASK, tool_prompts,
                                                  tool_solution_examples)
-    from megatron_rl.sft import SFTSettings, run_sft
-    from models.llama4.convert import write_sglang_layout
 
     started = time.perf_counter()
-    output = Path(output_dir)
-    if output.exists() and any(output.iterdir()):
-        if not overwrite:
-            raise SystemExit(f"{output} is not empty; pass --overwrite to rebuild it")
-        shutil.rmtree(output)
-    output.mkdir(parents=True)
-
+    output = empty_output(output_dir, overwrite=overwrite)
     pool = tool_prompts(num_prompts=settings.num_rl_prompts, seed=settings.rl_prompt_seed,
                         config=TASK_CONFIG)
     save_prompts(pool, output / "prompts.jsonl")
@@ -102,28 +93,9 @@ def build(output_dir: str | Path, settings: BuildSettings = BuildSettings(), *,
         num_examples=settings.num_sft_examples, seed=settings.sft_data_seed, config=TASK_CONFIG,
         exclude_prompts={r.prompt for r in pool}, tool_fraction=settings.tool_fraction)
     save_sft_examples(examples, output / "sft_data.jsonl")
-
-    tokenizer_texts = [text for e in examples for text in (e.prompt, e.response)]
-    init_dir = _random_init(output / "init", tokenizer_texts, seed=settings.init_seed,
-                            added_tokens=TOOL_TAG_TOKENS)
-    result = run_sft(SFTSettings(
-        hf_checkpoint=str(init_dir), data=str(output / "sft_data.jsonl"),
-        output_dir=str(output / "sft"), exclude_prompts=str(output / "prompts.jsonl"),
-        num_steps=settings.num_steps, batch_size=settings.batch_size, lr=settings.lr,
-        lr_warmup_steps=settings.lr_warmup_steps, lr_schedule="cosine",
-        adam_beta2=settings.adam_beta2, seed=settings.seed,
-        hf_dtype="bfloat16", progress_bar=progress))
-    model_dir = write_sglang_layout(result.hf_checkpoint, output / "model")
-    record = {
-        "task": {"task": TOOL_TASK, "config": TASK_CONFIG},
-        "model": {"family": MODEL_FAMILY, "size": MODEL_SIZE},
-        "settings": dataclasses.asdict(settings),
-        "sft_loss": {"first": result.losses[0], "last": result.losses[-1]},
-        "seconds": round(time.perf_counter() - started, 1),
-        "sha256": {p.name: _sha256(p) for p in sorted(model_dir.iterdir()) if p.is_file()},
-    }
-    (output / "build.json").write_text(json.dumps(record, indent=2) + "\n")
-    return record
+    return warm_up_and_export(output, examples, settings, started=started, progress=progress,
+                              task={"task": TOOL_TASK, "config": TASK_CONFIG},
+                              added_tokens=TOOL_TAG_TOKENS)
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -30,6 +30,14 @@ NUM_SHOWN = 3  # held-out prompts shown before / after
 
 
 def main(argv: list[str]) -> int:
+    return run_demo(argv, name="demo", recipe=RECIPE,
+                    builder=ROOT / "tools" / "make_demo_base.py", report=report)
+
+
+def run_demo(argv: list[str], *, name: str, recipe: Path, builder: Path, report) -> int:
+    """A demo's entry point (`make demo`, `make demo-tools`): the recipe with `argv`'s
+    overrides; its base model built by `builder OUTPUT_DIR --overwrite` when model/ or
+    prompts.jsonl is missing; `megatron-rl train`; then `report(output_dir, cfg)`."""
     from megatron_rl.config import ConfigError, load_config
     from megatron_rl.console import environment_summary, quiet_known_warnings, verbose_requested
 
@@ -37,35 +45,35 @@ def main(argv: list[str]) -> int:
     quiet_known_warnings(verbose=verbose)
     print(environment_summary(), file=sys.stderr)
     try:
-        cfg = load_config(RECIPE, argv)
+        cfg = load_config(recipe, argv)
     except ConfigError as err:
-        print(f"demo: error: {err}", file=sys.stderr)
+        print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     model, prompts = Path(cfg.model.hf_checkpoint), Path(cfg.data.prompts)
-    base = model.parent  # tools/make_demo_base.py writes BASE/model and BASE/prompts.jsonl
+    base = model.parent  # the builder writes BASE/model and BASE/prompts.jsonl
+    tool = builder.relative_to(ROOT)
     if not ((model / "config.json").is_file() and prompts.is_file()):
         if (model.name, prompts) != ("model", base / "prompts.jsonl"):
-            print(f"demo: error: {model} or {prompts} is missing, and they are not the "
-                  f"model/ and prompts.jsonl of one tools/make_demo_base.py output to build",
-                  file=sys.stderr)
+            print(f"{name}: error: {model} or {prompts} is missing, and they are not the "
+                  f"model/ and prompts.jsonl of one {tool} output to build", file=sys.stderr)
             return 2
-        print(f"building the base model into {base} (tools/make_demo_base.py, once)", flush=True)
-        build = subprocess.run([sys.executable, str(ROOT / "tools" / "make_demo_base.py"),
-                                str(base), "--overwrite"], cwd=ROOT)
+        print(f"building the base model into {base} ({tool}, once)", flush=True)
+        build = subprocess.run([sys.executable, str(builder), str(base), "--overwrite"],
+                               cwd=ROOT)
         if build.returncode != 0:
-            print(f"demo: error: building the base model failed (exit {build.returncode})",
+            print(f"{name}: error: building the base model failed (exit {build.returncode})",
                   file=sys.stderr)
             return 1
     from megatron_rl.train import main as train_main
 
     keep_previous_run(Path(cfg.output_dir))
-    code = train_main([str(RECIPE), *argv])
+    code = train_main([str(recipe), *argv])
     if code != 0:
         return code
     out = Path(cfg.output_dir)
     report(out, cfg)
-    print(f"\ndemo done in {(time.perf_counter() - started) / 60:.1f} min; outputs in {out}/; "
+    print(f"\n{name} done in {(time.perf_counter() - started) / 60:.1f} min; outputs in {out}/; "
           f"watch it with: tensorboard --logdir {out / 'tensorboard'}")
     return 0
 

@@ -20,9 +20,7 @@ checkpoints/, config.yaml, the generator log.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,47 +30,9 @@ NUM_SHOWN = 3  # held-out prompts shown before / after
 
 
 def main(argv: list[str]) -> int:
-    from megatron_rl.config import ConfigError, load_config
-    from megatron_rl.console import environment_summary, quiet_known_warnings, verbose_requested
+    from examples.demo.run import run_demo
 
-    from examples.demo.run import keep_previous_run
-
-    verbose, argv = verbose_requested(argv)
-    quiet_known_warnings(verbose=verbose)
-    print(environment_summary(), file=sys.stderr)
-    try:
-        cfg = load_config(RECIPE, argv)
-    except ConfigError as err:
-        print(f"demo-tools: error: {err}", file=sys.stderr)
-        return 2
-    started = time.perf_counter()
-    model, prompts = Path(cfg.model.hf_checkpoint), Path(cfg.data.prompts)
-    base = model.parent  # tools/make_tool_demo_base.py writes BASE/model and BASE/prompts.jsonl
-    if not ((model / "config.json").is_file() and prompts.is_file()):
-        if (model.name, prompts) != ("model", base / "prompts.jsonl"):
-            print(f"demo-tools: error: {model} or {prompts} is missing, and they are not the "
-                  f"model/ and prompts.jsonl of one tools/make_tool_demo_base.py output to build",
-                  file=sys.stderr)
-            return 2
-        print(f"building the base model into {base} (tools/make_tool_demo_base.py, once)",
-              flush=True)
-        build = subprocess.run([sys.executable, str(BUILDER), str(base), "--overwrite"],
-                               cwd=ROOT)
-        if build.returncode != 0:
-            print(f"demo-tools: error: building the base model failed (exit "
-                  f"{build.returncode})", file=sys.stderr)
-            return 1
-    from megatron_rl.train import main as train_main
-
-    keep_previous_run(Path(cfg.output_dir))
-    code = train_main([str(RECIPE), *argv])
-    if code != 0:
-        return code
-    out = Path(cfg.output_dir)
-    report(out, cfg)
-    print(f"\ndemo-tools done in {(time.perf_counter() - started) / 60:.1f} min; outputs in "
-          f"{out}/; watch it with: tensorboard --logdir {out / 'tensorboard'}")
-    return 0
+    return run_demo(argv, name="demo-tools", recipe=RECIPE, builder=BUILDER, report=report)
 
 
 def report(out: Path, cfg) -> None:

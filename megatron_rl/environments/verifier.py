@@ -12,30 +12,20 @@ host (`SandboxUnavailableError`) is a configuration error and still raises.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable
 
 from megatron_rl.data.records import PromptRecord
 from megatron_rl.environments.base import Environment, EnvironmentSession, StepResult
-from megatron_rl.rewards.registry import RewardRegistry
-from megatron_rl.rewards.sandbox import SandboxUnavailableError
-from megatron_rl.rewards.types import Reason, RewardResult, RewardScale, make_result
+from megatron_rl.rewards.registry import RewardRegistry, confined_score
+from megatron_rl.rewards.types import RewardResult
 
 Grader = Callable[[str, PromptRecord], RewardResult]
-_log = logging.getLogger(__name__)
 
 
 def confined_grade(grade: Grader, text: str, record: PromptRecord) -> RewardResult:
-    """`grade(text, record)`, with an exception confined to this trajectory (verifier_error)."""
-    try:
-        return grade(text, record)
-    except SandboxUnavailableError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a grader bug stays with its trajectory
-        _log.warning("the grader of a %r trajectory raised; scored as %s", record.task,
-                     Reason.VERIFIER_ERROR, exc_info=True)
-        return make_result(Reason.VERIFIER_ERROR, RewardScale(),
-                           detail=f"{type(exc).__name__}: {exc}"[:300])
+    """`grade(text, record)`, with an exception confined to this trajectory (verifier_error):
+    the reward registry's own rule (`confined_score`)."""
+    return confined_score(grade, text, record)
 
 
 class VerifierEnvironment(Environment):

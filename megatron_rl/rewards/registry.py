@@ -87,18 +87,8 @@ class RewardRegistry:
         return self._entry(record.task).fn(completion, record)
 
     def _score_one(self, completion: str, record: PromptRecord) -> RewardResult:
-        """`score`, with an exception confined to this sample: a verifier failure (no reward)
-        instead of an error that would fail every sample of the batch. A sandbox that cannot
-        isolate programs on this host is a configuration error and still raises."""
-        try:
-            return self.score(completion, record)
-        except SandboxUnavailableError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any verifier bug stays with its sample
-            _log.warning("the reward of a %r sample raised; scored as %s", record.task,
-                         Reason.VERIFIER_ERROR, exc_info=True)
-            return make_result(Reason.VERIFIER_ERROR, RewardScale(),
-                               detail=f"{type(exc).__name__}: {exc}"[:300])
+        """`score`, with an exception confined to this sample (`confined_score`)."""
+        return confined_score(self.score, completion, record)
 
     def score_many(self, completions: Sequence[str], records: Sequence[PromptRecord], *,
                    num_threads: int = 8, retries: int = 1) -> list[RewardResult]:
@@ -129,6 +119,22 @@ class RewardRegistry:
                 for i, result in zip(failed, rescored):
                     results[i] = result
         return results
+
+
+def confined_score(fn: RewardFn, completion: str, record: PromptRecord) -> RewardResult:
+    """`fn(completion, record)`, with an exception confined to this sample: a verifier failure
+    (`Reason.VERIFIER_ERROR`, no reward) instead of an error that would fail every sample of the
+    batch (or every trajectory of a group: environments/ grade through it too). A sandbox that
+    cannot isolate programs on this host is a configuration error and still raises."""
+    try:
+        return fn(completion, record)
+    except SandboxUnavailableError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any verifier bug stays with its sample
+        _log.warning("the reward of a %r sample raised; scored as %s", record.task,
+                     Reason.VERIFIER_ERROR, exc_info=True)
+        return make_result(Reason.VERIFIER_ERROR, RewardScale(),
+                           detail=f"{type(exc).__name__}: {exc}"[:300])
 
 
 def default_registry(*, math_verifier: MathVerifier, sandbox: Sandbox,
