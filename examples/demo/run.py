@@ -124,18 +124,25 @@ def show_interruptions(out: Path, cfg, steps: int = 3) -> None:
 
 
 def show_samples(title: str, path: Path) -> None:
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    show_lines(title, [json.loads(line) for line in path.read_text().splitlines()])
+
+
+def show_lines(title: str, lines: list[dict], *, label: str = "completion",
+               render=None) -> None:
+    """The first sample of each of the first NUM_SHOWN prompts of a validation samples file's
+    `lines`, with its score; the text as `render` gives it (default: on one line)."""
+    render = render or _one_line
     seen: list[dict] = []
     for line in lines:  # the first sample of the first prompts
         if all(s["prompt_id"] != line["prompt_id"] for s in seen):
             seen.append(line)
         if len(seen) == NUM_SHOWN:
             break
-    print(f"\n--- {title} (step {lines[0]['step']}): {NUM_SHOWN} held-out prompts ---")
+    print(f"\n--- {title} (step {lines[0]['step']}): {len(seen)} held-out prompts ---")
     for line in seen:
         verdict = "PASS" if line["passed"] else "fail"
-        print(f"prompt: {_one_line(line['prompt'])}\ncompletion: "
-              f"{_one_line(line['completion'])}\nscore: {line['reward']} ({verdict})\n")
+        print(f"prompt: {_one_line(line['prompt'])}\n{label}: "
+              f"{render(line['completion'])}\nscore: {line['reward']} ({verdict})\n")
 
 
 def _one_line(text: str, limit: int = 300) -> str:

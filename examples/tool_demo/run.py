@@ -26,7 +26,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "configs" / "tool_demo.yaml"
 BUILDER = ROOT / "tools" / "make_tool_demo_base.py"
-NUM_SHOWN = 3  # held-out prompts shown before / after
 
 
 def main(argv: list[str]) -> int:
@@ -79,22 +78,9 @@ def _read(path: Path) -> list[dict]:
 
 
 def show_samples(title: str, lines: list[dict]) -> None:
-    seen: list[dict] = []
-    for line in lines:  # the first sample of the first prompts
-        if all(s["prompt_id"] != line["prompt_id"] for s in seen):
-            seen.append(line)
-        if len(seen) == NUM_SHOWN:
-            break
-    print(f"\n--- {title} (step {lines[0]['step']}): {len(seen)} held-out prompts ---")
-    for line in seen:
-        verdict = "PASS" if line["passed"] else "fail"
-        print(f"prompt: {_one_line(line['prompt'])}\ntrajectory: {line['completion']!r}\n"
-              f"score: {line['reward']} ({verdict})\n")
+    from examples.demo.run import show_lines
 
-
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + " ..."
+    show_lines(title, lines, label="trajectory", render=repr)  # whole, tags and all
 
 
 if __name__ == "__main__":
