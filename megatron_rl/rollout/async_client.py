@@ -286,8 +286,5 @@ class AsyncSGLangClient:
         if not isinstance(out, dict) or "meta_info" not in out:
             raise GeneratorError(f"SGLang server {self.url}: /generate returned "
                                  f"{type(out).__name__}, not one completion")
-        result = _generation_result(out, input_ids, 0, 0, self.url,
-                                    routed_experts=self.return_routed_experts)
-        cached = out["meta_info"].get("cached_tokens")  # the prefix-cache hit (types.py)
-        return result if cached is None else dataclasses.replace(result,
-                                                                 cached_tokens=int(cached))
+        return _generation_result(out, input_ids, 0, 0, self.url,
+                                  routed_experts=self.return_routed_experts)

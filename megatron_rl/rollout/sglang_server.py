@@ -966,4 +966,5 @@ def _generation_result(out: dict, prompt: Sequence[int], prompt_index: int,
         prompt_token_ids=tuple(int(t) for t in prompt), token_ids=token_ids,
         logprobs=tuple(float(e[0]) for e in entries),
         versions=_token_versions(meta, len(token_ids), url),
-        finish_reason=_FINISH_REASONS.get(finish_type, finish_type), routed_experts=routed)
+        finish_reason=_FINISH_REASONS.get(finish_type, finish_type), routed_experts=routed,
+        cached_tokens=None if meta.get("cached_tokens") is None else int(meta["cached_tokens"]))
