@@ -16,7 +16,7 @@ from megatron_rl.data.records import PromptRecord
 from megatron_rl.environments.base import Environment
 from megatron_rl.environments.python_tool import PythonToolEnvironment, ToolSettings
 from megatron_rl.environments.verifier import VerifierEnvironment
-from megatron_rl.rewards.registry import RewardRegistry, UnknownTaskError
+from megatron_rl.rewards.registry import RewardRegistry, UnknownTaskError, longest_family
 from megatron_rl.rewards.sandbox import Sandbox
 
 TOOL_TASK_PREFIX = "tool/"
@@ -58,14 +58,9 @@ class EnvironmentRegistry:
     def _entry(self, task: str) -> _Entry | None:
         entry = self._exact.get(task)
         if entry is None:
-            prefix = _longest_family(self._families, task)
+            prefix = longest_family(self._families, task)
             entry = None if prefix is None else self._families[prefix]
         return entry
-
-    def _has_reward(self, task: str) -> bool:
-        tags = self.reward_registry.tasks  # families shown as 'prefix/*'
-        return task in tags or _longest_family([t[:-1] for t in tags if t.endswith("/*")],
-                                               task) is not None
 
     def for_task(self, task: str) -> Environment:
         """The environment of `task`: exact tag, then the longest family prefix, then the shared
@@ -73,7 +68,7 @@ class EnvironmentRegistry:
         entry = self._entry(task)
         if entry is not None:
             return entry.environment
-        if self._has_reward(task):
+        if self.reward_registry.grades(task):
             return self._verifier
         raise UnknownTaskError(f"no environment for task {task!r}: environments are registered "
                                f"for {list(self.tasks)} and rewards for "
@@ -104,11 +99,6 @@ class EnvironmentRegistry:
 
     def any_multi_turn(self, records: Sequence[PromptRecord]) -> bool:
         return any(self.for_task(task).multi_turn for task in {r.task for r in records})
-
-
-def _longest_family(prefixes, task: str) -> str | None:
-    return next((p for p in sorted(prefixes, key=len, reverse=True)
-                 if task.startswith(p) and len(task) > len(p)), None)
 
 
 def inner_record(record: PromptRecord, prefix: str = TOOL_TASK_PREFIX) -> PromptRecord:

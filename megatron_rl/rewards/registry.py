@@ -56,12 +56,19 @@ class RewardRegistry:
         """Registered tags; families shown as 'prefix/*'."""
         return tuple(sorted(self._exact) + sorted(f"{p}*" for p in self._families))
 
-    def _entry(self, task: str) -> _Entry:
+    def grades(self, task: str) -> bool:
+        """Whether a reward is registered for `task` (exactly or by family)."""
+        return self._lookup(task) is not None
+
+    def _lookup(self, task: str) -> _Entry | None:
         entry = self._exact.get(task)
         if entry is None:
-            prefix = next((p for p in sorted(self._families, key=len, reverse=True)
-                           if task.startswith(p) and len(task) > len(p)), None)
+            prefix = longest_family(self._families, task)
             entry = None if prefix is None else self._families[prefix]
+        return entry
+
+    def _entry(self, task: str) -> _Entry:
+        entry = self._lookup(task)
         if entry is None:
             raise UnknownTaskError(f"no reward function for task {task!r}; registered tasks: "
                                    f"{list(self.tasks)}. Fix the prompt's 'task' field or "
@@ -119,6 +126,13 @@ class RewardRegistry:
                 for i, result in zip(failed, rescored):
                     results[i] = result
         return results
+
+
+def longest_family(prefixes, task: str) -> str | None:
+    """The longest of the family `prefixes` ("rg/", "tool/") that `task` belongs to: it starts
+    with the prefix and names something after it. None when none does."""
+    return next((p for p in sorted(prefixes, key=len, reverse=True)
+                 if task.startswith(p) and len(task) > len(p)), None)
 
 
 def confined_score(fn: RewardFn, completion: str, record: PromptRecord) -> RewardResult:
