@@ -217,7 +217,8 @@ class HeldoutValidation:
         import random
 
         from megatron_rl.rollout import SamplingParams
-        from megatron_rl.rollout.interruption import bind_generate, generate_completion
+        from megatron_rl.rollout.interruption import bind_generate
+        from megatron_rl.rollout.multi_turn import generate_sample
 
         params = SamplingParams(max_new_tokens=1, temperature=self.cfg.rollout.temperature,
                                 seed=self.cfg.seed, purpose="eval")
@@ -226,22 +227,15 @@ class HeldoutValidation:
             # Each sample its own seed (SamplingParams.seed), the same at every validation: the
             # curve's points differ by the policy, not by the sampling noise. So a sample whose
             # generator fails midway is generated again, the same, on another.
-            record = self.records[index]
-            multi_turn = self.multi_turn is not None and self.multi_turn.is_multi_turn(record)
-
-            async def request(client):
+            def request(client):
                 generate_one = bind_generate(
                     client, params.for_sample("eval", index, sample),
                     extra_key=self.manager.prefix_cache_key(version),
                     continuation_priority=self.interruption.continuation_priority)
-                rng = random.Random(f"eval/{index}/{sample}")
-                if multi_turn:
-                    return await self.multi_turn.run(
-                        generate_one, prompt, record, interruption=self.interruption, rng=rng,
-                        group_id=index, sample_index=sample)
-                return await generate_completion(
-                    generate_one, prompt, settings=self.interruption, rng=rng, group_id=index,
-                    sample_index=sample), None
+                return generate_sample(
+                    generate_one, prompt, self.records[index], multi_turn=self.multi_turn,
+                    interruption=self.interruption, rng=random.Random(f"eval/{index}/{sample}"),
+                    group_id=index, sample_index=sample)
 
             return self.manager.run_anywhere(index, request)
 

@@ -47,9 +47,8 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
-from megatron_rl.rollout.interruption import (InterruptionSettings, bind_generate,
-                                               generate_completion)
-from megatron_rl.rollout.multi_turn import MultiTurnRollout
+from megatron_rl.rollout.interruption import InterruptionSettings, bind_generate
+from megatron_rl.rollout.multi_turn import MultiTurnRollout, generate_sample
 from megatron_rl.rollout.samples import RolloutSample
 from megatron_rl.rollout.staleness import AdmissionGate, TakeDecision
 from megatron_rl.rollout.types import GeneratorDeadError, SamplingParams
@@ -554,20 +553,15 @@ class RolloutManager:
         group_id, prompt_index = ticket.group_id, ticket.prompt_index
         extra_key = self.prefix_cache_key(version)  # never cached KV of other weights
         record = self.records[prompt_index]
-        multi_turn = self.multi_turn is not None and self.multi_turn.is_multi_turn(record)
 
         def sample(k: int):
             generate_one = bind_generate(  # each sample its own seed: SamplingParams.seed
                 client, self.params.for_sample("train", group_id, k), extra_key=extra_key,
                 continuation_priority=self.interruption.continuation_priority)
-            rng = random.Random(f"{self.seed}/{group_id}/{k}")
-            if multi_turn:  # a trajectory, scored by its environment
-                return self.multi_turn.run(generate_one, self.prompt_token_ids[prompt_index],
-                                           record, interruption=self.interruption, rng=rng,
-                                           group_id=group_id, sample_index=k)
-            return generate_completion(generate_one, self.prompt_token_ids[prompt_index],
-                                       settings=self.interruption, rng=rng, group_id=group_id,
-                                       sample_index=k)
+            return generate_sample(generate_one, self.prompt_token_ids[prompt_index], record,
+                                   multi_turn=self.multi_turn, interruption=self.interruption,
+                                   rng=random.Random(f"{self.seed}/{group_id}/{k}"),
+                                   group_id=group_id, sample_index=k)
 
         try:
             async with asyncio.TaskGroup() as samples_group:  # one failure cancels the rest
@@ -575,10 +569,8 @@ class RolloutManager:
                          for k in range(self.params.num_samples)]
         except BaseExceptionGroup as group:
             raise group.exceptions[0] from None  # the first failure, as it was raised
-        if multi_turn:
-            samples, results = zip(*(task.result() for task in tasks))
-        else:
-            samples = [task.result() for task in tasks]
+        samples, results = zip(*(task.result() for task in tasks))
+        if results[0] is None:  # single-turn completions: their verifier, the group in one batch
             texts = [self.decode(s.token_ids) for s in samples]
             results = await asyncio.to_thread(self.score, texts, [record] * len(texts))
         # Out of `_running` in the same step as into `_finished`: the done-callback runs a loop

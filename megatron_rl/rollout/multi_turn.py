@@ -45,7 +45,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from megatron_rl.rollout.interruption import GenerateOne, InterruptionSettings, generate_turn
+from megatron_rl.rollout.interruption import (GenerateOne, InterruptionSettings,
+                                               generate_completion, generate_turn)
 from megatron_rl.rollout.samples import RolloutSample, Segment, assemble_sample
 from megatron_rl.rewards.types import Reason, RewardResult
 
@@ -243,3 +244,18 @@ class MultiTurnRollout:
             generate_one, prompt_ids, session=session, turn_format=self.turn_format,
             settings=settings, interruption=interruption, rng=rng, group_id=group_id,
             sample_index=sample_index, decode=self.decode)
+
+
+async def generate_sample(generate_one: GenerateOne, prompt_ids: Sequence[int], record, *,
+                          multi_turn: MultiTurnRollout | None,
+                          interruption: InterruptionSettings, rng: random.Random, group_id: int,
+                          sample_index: int) -> tuple[RolloutSample, RewardResult | None]:
+    """One sample of `record`, as training and validation generate it: a trajectory and its
+    environment's verdict when `multi_turn` says the record is multi-turn; else a completion
+    (interruption.generate_completion) and None, its verifier scoring it afterwards (the rollout
+    manager scores a group in one batch)."""
+    if multi_turn is not None and multi_turn.is_multi_turn(record):
+        return await multi_turn.run(generate_one, prompt_ids, record, interruption=interruption,
+                                    rng=rng, group_id=group_id, sample_index=sample_index)
+    return await generate_completion(generate_one, prompt_ids, settings=interruption, rng=rng,
+                                     group_id=group_id, sample_index=sample_index), None
