@@ -37,6 +37,7 @@ from _checks import ROOT, processes_left, run_train, scalars  # noqa: E402
 pytestmark = pytest.mark.e2e
 
 NUM_STEPS = 4
+BATCH = 32
 # The bf16 engine (SGLang's Llama-4 path) against the fp32 trainer on this model: measured over
 # the 24 steps of `make demo-tools`, mean 0.0006-0.008 and max 0.07-0.83 per step (a sharp
 # 1.2 M-parameter policy puts the odd token where bf16 rounding moves its log-prob by most of a
@@ -64,8 +65,14 @@ def test_tool_use_trajectories_with_in_flight_updates(tmp_path):
     rc, stdout, stderr, driver_pid = run_train([
         "examples/configs/tool_demo.yaml", f"output_dir={out}",
         f"model.hf_checkpoint={base / 'model'}", f"data.prompts={base / 'prompts.jsonl'}",
-        f"train.num_steps={NUM_STEPS}", "train.global_batch_size=64",  # 8 prompts x 8
-        "eval.num_heldout_prompts=8", f"eval.interval_steps={NUM_STEPS}",
+        f"train.num_steps={NUM_STEPS}", f"train.global_batch_size={BATCH}",  # 4 prompts x 8
+        # One request at a time on the engine: a step's trajectories take longer to generate
+        # than a step takes to train, so every in-flight update finds trajectories part-way
+        # through (with 64 requests at once the next batch could finish before the update
+        # landed, and no trajectory spanned two versions: a CI run under load).
+        "rollout.deterministic=true",
+        "eval.num_heldout_prompts=8", "eval.samples_per_prompt=2",
+        f"eval.interval_steps={NUM_STEPS}",
         "checkpoint.interval_steps=0", "logging.progress_bar=false",
         "logging.rollout_samples=true"], timeout=1200)
     assert rc == 0, stdout[-4000:] + stderr[-4000:]
@@ -86,7 +93,7 @@ def test_tool_use_trajectories_with_in_flight_updates(tmp_path):
     # Masks and versions, per training trajectory (logging.rollout_samples).
     lines = [json.loads(line) for path in sorted((out / "rollout_samples").glob("*.jsonl"))
              for line in path.read_text().splitlines()]
-    assert len(lines) == NUM_STEPS * 64
+    assert len(lines) == NUM_STEPS * BATCH
     spanning = 0
     for line in lines:
         assert line["loss_tokens"] == line["completion_tokens"] - line["observation_tokens"], line
