@@ -34,7 +34,8 @@ from pathlib import Path
 
 # The cost model's efficiency knobs at their defaults (scaling/cost.py) on every case, the
 # decode floor (decode_layer_overhead_us, decode_tp_layer_overhead_us) included at its fitted
-# defaults (benchmarks/decode_floor_fit.py); the engines' memory overhead factor 1.0 (the
+# defaults (benchmarks/decode_floor_fit.py) and the trainer floor (train_min_tokens_per_device,
+# benchmarks/trainer_floor_fit.py) too; the engines' memory overhead factor 1.0 (the
 # publishers' memory-utilisation setting is the static fraction, activations included).
 CALIBRATION = dict(decode_bandwidth_efficiency=0.6, decode_mfu=0.5, prefill_mfu=0.5,
                    train_mfu=0.4, memory_overhead_factor=1.0, max_running_requests=256)
@@ -73,6 +74,10 @@ class Case:
     # (SimulationSettings.recompute_old_logprobs): verl's colocated runs (their old_log_prob
     # column); its async runs take the rollout's (use_rollout_log_probs=True: no pass).
     baseline_recomputes_logprobs: bool = False
+    # Optimizer steps a step's batch is split into (cost.CostConfig.optimizer_steps_per_step:
+    # the trainer floor counts per optimizer step): verl train_batch / ppo_mini_batch, NeMo-RL
+    # G-GBS / T-GBS, as published.
+    optimizer_steps: int = 1
 
 
 def _verl(gpus: int, sync_s: float, async_s: float, speedup: float, **kw) -> Case:
@@ -83,6 +88,7 @@ def _verl(gpus: int, sync_s: float, async_s: float, speedup: float, **kw) -> Cas
         samples=16, prompt_tokens=200, max_response=28 * 1024, mean_response=1200.0,
         engine_tp=4, mem_fraction=0.8, sync_gpus=gpus, async_gen_gpus=half,
         async_train_gpus=half, k=1, baseline_recomputes_logprobs=True,
+        optimizer_steps=512 // 32,  # train_batch_size / ppo_mini_batch_size
         published_sync_s=sync_s, published_async_s=async_s,
         published_speedup=speedup, fraction=fraction,
         source="verl docs/advance/fully_async.md @df340d70 (ANCHOR_FIGURES 1), 400-step totals",
@@ -126,13 +132,15 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case(name="nemo-qwen3-30b-1off", shape="qwen3-30b-a3b", hardware="H100", prompts=64,
          samples=32, prompt_tokens=150, max_response=4096 - 150, mean_response=3203.0,
          engine_tp=2, mem_fraction=0.9, sync_gpus=32, async_gen_gpus=16, async_train_gpus=16,
-         k=1, published_sync_s=192.0, published_async_s=152.0, published_speedup=192.0 / 152.0,
+         k=1, optimizer_steps=2048 // 512,  # G-GBS / T-GBS
+         published_sync_s=192.0, published_async_s=152.0, published_speedup=192.0 / 152.0,
          source="NeMo-RL performance-summary v0.6 (5a)",
          assumed="prompt 150; gpu_memory_utilization 0.9 (unpublished)"),
     Case(name="nemo-qwen3-30b-8off", shape="qwen3-30b-a3b", hardware="H100", prompts=64,
          samples=32, prompt_tokens=150, max_response=4096 - 150, mean_response=3206.0,
          engine_tp=2, mem_fraction=0.9, sync_gpus=None, async_gen_gpus=64,
-         async_train_gpus=128, k=8, published_sync_s=None, published_async_s=34.5,
+         async_train_gpus=128, k=8, optimizer_steps=2048 // 512, published_sync_s=None,
+         published_async_s=34.5,
          published_speedup=None, source="NeMo-RL performance-summary v0.6 (5a)", fraction=1 / 4,
          min_steps=12,
          assumed="as nemo-qwen3-30b-1off; no same-GPU baseline published (step time only); "
@@ -215,7 +223,9 @@ def run_one(case: Case, *, colocated: bool, steps: int, time_scale: float, work:
         "checkpoint.interval_steps=100000", "rollout.no_progress_timeout_s=3600"]
     cfg = load_config("examples/llama4_scout/gb200_1rack.yaml", overrides)
     model = SHAPES[case.shape].cost_config(hardware=case.hardware,
-                                           mem_fraction_static=case.mem_fraction, **CALIBRATION)
+                                           mem_fraction_static=case.mem_fraction,
+                                           optimizer_steps_per_step=case.optimizer_steps,
+                                           **CALIBRATION)
     backend = SimulatedBackend(SimulationSettings(
         hardware=case.hardware, model=model, token_granularity=g, median_tokens=median,
         sigma=SIGMA, time_scale=time_scale, max_running_requests=CALIBRATION[

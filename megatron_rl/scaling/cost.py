@@ -18,6 +18,12 @@ Per optimizer step, with N = active parameters (MoE) and S = prompts x samples c
   (benchmarks/decode_floor_fit.py; docs/simulation.md, "Calibration"). The batch is SGLang's
   max_running_requests, capped by the KV memory left after the weights. Prefill and training
   are MFU-bound.
+- Training stops scaling with devices: a trainer device's share of an optimizer step is at
+  least `train_min_tokens_per_device` tokens' worth of time, so a step over D devices takes
+  6N x max(tokens / (optimizer steps x D), that floor) x optimizer steps at `train_mfu`; past
+  tokens per optimizer step / floor devices, more trainers do not shorten it. Fitted once to
+  verl's update_actor at 16-128 H20s (benchmarks/trainer_floor_fit.py; docs/simulation.md,
+  "Calibration").
 - Balance: Pipeline-RL keeps generators and trainers busy concurrently, so the device split that
   balances the pipeline is generator device-seconds : trainer device-seconds per step, and the
   GPU-hours per step are their sum. Synchronous RL (pipeline_rl=False) waits for the longest
@@ -99,6 +105,16 @@ class CostConfig:
              "all-reduces), microseconds; same fit")
     prefill_mfu: float = _knob(0.5, "achieved fraction of peak FLOP/s in prefill")
     train_mfu: float = _knob(0.4, "achieved fraction of peak FLOP/s in training (MFU)")
+    optimizer_steps_per_step: int = _knob(
+        1, "optimizer steps one step's batch is split into (ScaleRL and this project: 1; verl: "
+           "train_batch / ppo_mini_batch; NeMo-RL: samples / train_global_batch_size)")
+    # Fitted by benchmarks/trainer_floor_fit.py (verl's update_actor, ANCHOR_FIGURES section 1);
+    # rerun it and paste its output here if the training formula changes.
+    train_min_tokens_per_device: float = _knob(
+        9216.0, "fewest trained tokens a trainer device's share of an optimizer step counts "
+                "as: with fewer (more devices on the same batch) a step takes as long as with "
+                "this many, the trainer stops scaling; fitted to verl's update_actor at 16-128 "
+                "H20s; 0 = linear in devices")
     trainer_bytes_per_param: float = _knob(
         18.0, "trainer bytes per parameter: bf16 weights 2 + fp32 grads 4 + fp32 master 4 + "
               "Adam moments 8")
@@ -121,7 +137,8 @@ class CostConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         for name in ("active_params", "num_experts", "prompt_tokens", "observation_tokens",
                      "generator_devices_per_instance", "weight_sync_seconds", "total_devices",
-                     "decode_layer_overhead_us", "decode_tp_layer_overhead_us"):
+                     "decode_layer_overhead_us", "decode_tp_layer_overhead_us",
+                     "train_min_tokens_per_device"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("mem_fraction_static", "decode_bandwidth_efficiency", "decode_mfu",
@@ -222,6 +239,20 @@ class CostReport:
     def min_devices(self) -> int:
         return self.min_trainer_devices + self.min_generator_devices
 
+    def train_seconds(self, num_devices: int) -> float:
+        """A step's training on `num_devices` trainer devices (cost.train_seconds)."""
+        return train_seconds(self.config, self.accelerator, self.num_samples * self.tokens.trained,
+                             num_devices)
+
+    @property
+    def trainer_scaling_limit(self) -> int:
+        """Trainer devices past which a step trains no faster (its floor); 0 = no floor."""
+        floor = self.config.train_min_tokens_per_device
+        if not floor:
+            return 0
+        return _ceil(self.num_samples * self.tokens.trained
+                     / (self.config.optimizer_steps_per_step * floor))
+
 
 def token_counts(config: CostConfig) -> TokenCounts:
     """Per-completion decode / prefill / trained tokens, with the exact multi-turn prefill sum."""
@@ -309,6 +340,20 @@ def compute_seconds(flops: float, accelerator: Accelerator, precision: str, mfu:
     return flops / (num_devices * accelerator.peak_flops(precision) * mfu)
 
 
+def train_seconds(config: CostConfig, accelerator: Accelerator, num_tokens: float,
+                  num_devices: int, *, flops_per_token: float | None = None) -> float:
+    """Seconds for `num_devices` trainer devices to run `num_tokens` tokens at
+    `flops_per_token` (default: training's, train_flops_per_token) in the config's optimizer
+    steps, each device's share of an optimizer step counted as at least
+    train_min_tokens_per_device tokens: strong scaling stops there."""
+    if flops_per_token is None:
+        flops_per_token = train_flops_per_token(config)
+    steps = config.optimizer_steps_per_step
+    per_device = max(num_tokens / (steps * num_devices), config.train_min_tokens_per_device)
+    return compute_seconds(flops_per_token * per_device * steps, accelerator,
+                           config.train_precision, config.train_mfu)
+
+
 def train_flops_per_token(config: CostConfig) -> float:
     """6N per trained token (forward + backward), +2N for a reference model's forward."""
     return (6.0 + (2.0 if config.reference_model else 0.0)) * config.num_active_params
@@ -392,7 +437,7 @@ def best_layout(report: CostReport) -> Layout:
         if num_trainers < report.min_trainer_devices:
             break
         step = max(report.generator_device_seconds / num_generators,
-                   report.train_device_seconds / num_trainers) + config.weight_sync_seconds
+                   report.train_seconds(num_trainers)) + config.weight_sync_seconds
         if best is None or step < best.step_seconds:
             best = Layout(num_generator_devices=num_generators, num_trainer_devices=num_trainers,
                           step_seconds=step,
@@ -456,6 +501,10 @@ def report_rows(report: CostReport) -> list[tuple[str, str, str]]:
         ("training", "", ""),
         ("trainer device-hours / step", f"{train_s / 3600:.3f}", f"MFU {c.train_mfu}, "
          f"{c.train_precision}"),
+        ("trainer stops scaling at", f"{report.trainer_scaling_limit} devices"
+         if report.trainer_scaling_limit else "never",
+         f"{c.train_min_tokens_per_device:,.0f} tokens a device per optimizer step, "
+         f"{c.optimizer_steps_per_step} optimizer step(s) a step"),
         ("balance", "", ""),
         ("generator : trainer devices", f"{report.generator_to_trainer_ratio:.2f} : 1",
          f"paper {PAPER_LAYOUT[0]}:{PAPER_LAYOUT[1]} = {PAPER_LAYOUT[0] / PAPER_LAYOUT[1]:.1f}; "
@@ -476,7 +525,7 @@ def report_rows(report: CostReport) -> list[tuple[str, str, str]]:
              f"ratio {lay.ratio:.2f}"),
             ("step time", f"{lay.step_seconds:.1f} s",
              f"{gen_s / lay.num_generator_devices:.1f} s generate, "
-             f"{train_s / lay.num_trainer_devices:.1f} s train"),
+             f"{report.train_seconds(lay.num_trainer_devices):.1f} s train"),
             ("GPU-hours per step / run", f"{lay.gpu_hours_per_step:.3f} / "
              f"{lay.gpu_hours_per_step * c.num_steps:,.0f}", "includes idle devices"),
         ]

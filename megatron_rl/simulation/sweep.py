@@ -100,7 +100,7 @@ def analytic(model, *, generators: int, devices_per_engine: int, trainer_devices
                                  generator_devices_per_instance=devices_per_engine)
     report = estimate_cost(config)
     step = max(report.generator_device_seconds / gen_devices,
-               report.train_device_seconds / trainer_devices) + config.weight_sync_seconds
+               report.train_seconds(trainer_devices)) + config.weight_sync_seconds
     best = best_layout(report)
     return {"step_s": step, "gpu_hours_per_step": total * step / 3600.0,
             "balanced_gpu_hours_per_step": report.gpu_hours_per_step,

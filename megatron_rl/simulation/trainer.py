@@ -2,8 +2,10 @@
 (the old policy's log-probs, a forward pass), a training step (forward + backward), a
 checkpoint save, and pushing the weights to the generators.
 
-The same formulas as `megatron-rl cost` (megatron_rl.scaling.cost): trained tokens x 6N (+2N for
-a reference model) / (train_mfu x peak x devices), 2N per scored token at the same MFU; bytes
+The same formulas as `megatron-rl cost` (megatron_rl.scaling.cost.train_seconds): trained tokens x
+6N (+2N for a reference model) / (train_mfu x peak x devices), 2N per scored token at the same
+MFU, a device's share of an optimizer step counted as at least train_min_tokens_per_device tokens
+(the trainer stops scaling with devices there); bytes
 over the links of the hardware profile (profiles.py) for the weight push and the checkpoint.
 A measured profile (`HardwareProfile.measured_costs`: the `cpu` profile) replaces the training
 step and scoring by the benchmark's fitted times (measured.py). This module only times; the simulated trainer group that the driver calls (and that sleeps these
@@ -34,9 +36,9 @@ class TrainerTiming:
         if self.num_devices < 1:
             raise ValueError(f"TrainerTiming: num_devices={self.num_devices} must be >= 1")
 
-    def _seconds(self, flops: float) -> float:
-        return cost.compute_seconds(flops, self.profile.accelerator, self.model.train_precision,
-                                    self.model.train_mfu, self.num_devices)
+    def _seconds(self, num_tokens: float, flops_per_token: float) -> float:
+        return cost.train_seconds(self.model, self.profile.accelerator, num_tokens,
+                                  self.num_devices, flops_per_token=flops_per_token)
 
     def score_seconds(self, num_tokens: int) -> float:
         """Log-probs of `num_tokens` tokens under the current policy (and the reference model,
@@ -44,14 +46,14 @@ class TrainerTiming:
         if self.profile.measured_costs is not None:
             return self.profile.measured_costs.score_seconds(num_tokens)
         passes = 2.0 if self.model.reference_model else 1.0
-        return self._seconds(passes * 2.0 * self.model.num_active_params * num_tokens)
+        return self._seconds(num_tokens, passes * 2.0 * self.model.num_active_params)
 
     def train_step_seconds(self, num_tokens: int) -> float:
-        """One optimizer step over `num_tokens` trained tokens: 6N per token (+2N reference),
-        the cost model's train_device_seconds divided over the group."""
+        """A step over `num_tokens` trained tokens (model.optimizer_steps_per_step optimizer
+        steps): 6N per token (+2N reference), the cost model's train_seconds."""
         if self.profile.measured_costs is not None:
             return self.profile.measured_costs.train_step_seconds(num_tokens)
-        return self._seconds(cost.train_flops_per_token(self.model) * num_tokens)
+        return self._seconds(num_tokens, cost.train_flops_per_token(self.model))
 
     @property
     def num_nodes(self) -> int:

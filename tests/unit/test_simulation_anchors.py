@@ -67,6 +67,55 @@ def test_the_decode_floor_defaults_are_the_section_19_fit(monkeypatch):
     assert fit.modelled_step(qwen30b) == pytest.approx(2.84e-3 + 48 * 99.1e-6, abs=0.01e-3)
 
 
+def test_the_trainer_floor_default_is_the_verl_fit(monkeypatch):
+    """cost.py's train_min_tokens_per_device is the fit of benchmarks/trainer_floor_fit.py to
+    verl's update_actor (ANCHOR_FIGURES section 1), and the trainer it models scales as verl's
+    colocated one did: linear from 32 to 64 H20s (270 -> 133 s published), then no faster
+    (114 s on 128). By hand: 512 x 16 samples of 1400 tokens in 16 optimizer steps are 716,800
+    tokens an optimizer step, 22,400 a device on 32 GPUs (linear: 6N x 11.47M / (32 x 148 TFLOP/s
+    x 0.4)), 5,600 on 128, under the floor: 6N x 9,216 x 16 / (148 TFLOP/s x 0.4), as on 256;
+    the trainer stops scaling at ceil(716,800 / 9,216) = 78 devices. The simulated trainer
+    (simulation/trainer.py) times its steps and its scoring with the same formula."""
+    import dataclasses
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from megatron_rl.scaling.cost import CostConfig, estimate_cost
+    from megatron_rl.simulation.anchors import SHAPES
+    from megatron_rl.simulation.profiles import get_profile
+    from megatron_rl.simulation.trainer import TrainerTiming
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "trainer_floor_fit.py"
+    spec = importlib.util.spec_from_file_location("trainer_floor_fit", path)
+    fit = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "trainer_floor_fit", fit)  # its dataclass looks itself up
+    spec.loader.exec_module(fit)
+    floor = CostConfig().train_min_tokens_per_device
+    assert floor == pytest.approx(fit.fit(), abs=1.0)
+    assert fit.loss(floor) < 0.75 * fit.loss(0.0)
+
+    config = SHAPES["qwen2.5-math-7b"].cost_config(
+        hardware="H20", num_prompts_per_step=512, samples_per_prompt=16, prompt_tokens=200,
+        generated_tokens=1200, optimizer_steps_per_step=16)
+    report = estimate_cost(config)
+    six_n, peak = 6 * config.num_active_params, 148e12 * 0.4
+    tokens = 512 * 16 * 1400
+    assert report.train_seconds(32) == pytest.approx(six_n * tokens / (32 * peak), rel=1e-3)
+    assert report.train_seconds(64) == pytest.approx(report.train_seconds(32) / 2, rel=1e-9)
+    assert report.train_seconds(128) == pytest.approx(six_n * 9216 * 16 / peak, rel=1e-3)
+    assert report.train_seconds(128) == report.train_seconds(256)
+    assert report.train_seconds(128) == pytest.approx(113.81, rel=0.01)  # the fitted row
+    assert report.trainer_scaling_limit == 78
+    linear = estimate_cost(dataclasses.replace(config, train_min_tokens_per_device=0.0))
+    assert linear.train_seconds(128) == pytest.approx(report.train_seconds(32) / 4, rel=1e-9)
+    assert linear.trainer_scaling_limit == 0
+
+    timing = TrainerTiming(model=config, profile=get_profile("H20"), num_devices=128)
+    assert timing.train_step_seconds(tokens) == report.train_seconds(128)
+    assert timing.score_seconds(tokens) == pytest.approx(report.train_seconds(128) / 3, rel=1e-9)
+
+
 @pytest.mark.parametrize("name", ["qwen2.5-math-7b", "qwen3-30b-a3b", "qwen3-235b-a22b",
                                   "deepseek-v3"])
 def test_the_shapes_count_their_published_parameters(name):
@@ -139,24 +188,24 @@ def test_colocated_engines_and_trainer_share_the_devices(colocated):
     assert colocated.engine_timing.model.mem_fraction_static == pytest.approx(
         paper.mem_fraction_static - 2 * 8.03e9 / 4 / 80e9)
     # A train step takes its compute plus the optimizer state (12 B a parameter over the 4
-    # devices) to the host and back over PCIe Gen5 (64 GB/s at the profile's 0.8).
+    # devices) to the host and back over PCIe Gen5 (64 GB/s at the profile's 0.8). Its compute:
+    # 1000 tokens are 250 a device, under the trainer floor (cost.train_min_tokens_per_device,
+    # 9,216 tokens a device): the step takes as long as 9,216 tokens on one device would.
     trainers = colocated.trainers
     trainers.train_step(_batch(1000))
     assert offload_seconds(trainers.timing) == pytest.approx(12 * 8.03e9 / 4 / (64e9 * 0.8))
     assert trainers.modelled_s["offload"] == pytest.approx(2 * offload_seconds(trainers.timing))
-    assert trainers.modelled_s["train"] == pytest.approx(
-        6 * 8.03e9 * 1000 / (4 * 989.5e12 * 0.4))
+    assert trainers.modelled_s["train"] == pytest.approx(6 * 8.03e9 * 9216 / (989.5e12 * 0.4))
     [(began, ended)] = trainers.train_spans
     assert ended > began
     assert "old_logprob" not in trainers.modelled_s  # this project's driver: no such pass
     # A baseline that recomputes the old policy's log-probs (verl's old_log_prob phase) adds a
-    # forward pass over the batch before the step: 2N a token at train_mfu over the 4 devices.
+    # forward pass over the batch before the step: 2N a token at train_mfu over the 4 devices,
+    # floored as the step is.
     colocated.settings.recompute_old_logprobs = True
     trainers.train_step(_batch(1000))
-    assert trainers.modelled_s["old_logprob"] == pytest.approx(
-        2 * 8.03e9 * 1000 / (4 * 989.5e12 * 0.4))
-    assert trainers.modelled_s["train"] == pytest.approx(
-        2 * 6 * 8.03e9 * 1000 / (4 * 989.5e12 * 0.4))
+    assert trainers.modelled_s["old_logprob"] == pytest.approx(2 * 8.03e9 * 9216 / (989.5e12 * 0.4))
+    assert trainers.modelled_s["train"] == pytest.approx(2 * 6 * 8.03e9 * 9216 / (989.5e12 * 0.4))
     # The weight hand-over: each device loads its engine's shard (bf16 weights / 2 devices).
     report = trainers.sync_weights()
     assert report.num_bytes == int(2 * 8.03e9) // 2
