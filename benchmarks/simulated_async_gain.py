@@ -9,7 +9,7 @@ k = 0 on the same devices, generator busy, trainer idle, the share of trained to
 older policy, the engines' largest lag behind the clock (near 0: this machine kept up), and what
 `megatron-rl cost` says for the same split (synchronous at k = 0: decode x long_tail_factor).
 
-    python benchmarks/simulated_async_gain.py --steps 8 --time-scale 16 --sync-time-scale 32 \
+    python benchmarks/simulated_async_gain.py --steps 8 --time-scale 32 --sync-time-scale 32 \
         --token-granularity 128
 
 Time scales: the asynchronous runs return tokens continuously, so the process must keep up
@@ -24,9 +24,9 @@ tokens (forced interruption from 27648), the solution budget 2048, prompts of th
 returned tokens (x g model tokens). The record goes to OUT/async_gain.json; each point's
 simulation.json to OUT/racks{R}_k{K}/.
 
-Measured here (docs/simulation.md, "Async vs sync at scale"): ~4-5 min of wall time per one-rack
-point, ~2-9 min per four-rack point (the longer ones at time scale 4), ~47 min for the ten as
-run there; --time-scale 32 kept the engines within 10 model s of the clock on four racks.
+Measured here (docs/simulation.md, "Async vs sync at scale", 2026-12-05, idle machine): 37 min
+for the ten points with the command above: 2.6-4.3 min a one-rack point, 2.5-6.4 min a four-rack
+one; the engines stayed within 39 model s of the clock on one rack and 8 on four.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -74,8 +75,11 @@ def main() -> int:
                                   token_granularity=args.token_granularity)
     rows, started = [], time.perf_counter()
     for rack in racks:
+        # Every k over the same steps (2..N; the Runner's default leaves out k + 1 steps, which
+        # at k = 8 of 8 steps is none), and the whole run (1..N) beside it.
         runner = Runner(RECIPE, workload(args.token_granularity, args.steps, max(ks))
-                        + RACKS[rack] + [f"output_dir={args.out}/racks{rack}"], settings)
+                        + RACKS[rack] + [f"output_dir={args.out}/racks{rack}"], settings,
+                        warmup_steps=1)
         for k in ks:
             t0 = time.perf_counter()
             runner.settings = dataclasses.replace(
@@ -87,26 +91,33 @@ def main() -> int:
                            "wall_s": time.perf_counter() - t0,
                            "time_scale": runner.settings.time_scale,
                            "queue_wait_mean_model_s":
-                               report["overall"]["queue_wait_mean_model_s"]})
+                               report["overall"]["queue_wait_mean_model_s"],
+                           "all_steps_model_s": statistics.fmean(
+                               s["step_model_s"] for s in report["steps"])})
             print(f"racks {rack} k {k}: exit {status}, "
                   f"{rows[-1]['step_model_s']:.1f} model s per step, "
                   f"{rows[-1]['wall_s']:.0f} s wall", flush=True)
     sweep.add_speed_ups(rows)
+    for r in rows:
+        base = next(b for b in rows if b["racks"] == r["racks"] and b["k"] == 0)
+        r["all_steps_speed_up_vs_k0"] = base["all_steps_model_s"] / r["all_steps_model_s"]
 
     from rich.table import Table
 
     table = Table(title=f"Scout, ScaleRL recipe, GB200 NVL72: async (k) vs sync (k = 0); "
-                        f"{args.steps} steps, mean of steps 2..{args.steps}; token granularity "
+                        f"{args.steps} steps, mean of steps 2..{args.steps} (and 1..{args.steps}: "
+                        f"with the pipeline's fill); token granularity "
                         f"{args.token_granularity}")
     for column in ("racks", "engines + trainers", "k", "step (model s)", "GPU-h / step",
-                   "speed-up vs k=0", "generator busy", "trainer idle", "stale tokens",
+                   "speed-up vs k=0", "step, 1..N", "speed-up, 1..N", "generator busy", "trainer idle", "stale tokens",
                    "time scale", "max lag (model s)", "cost model step (s)",
                    "cost model GPU-h / step"):
         table.add_column(column, justify="right")
     for r in rows:
         table.add_row(str(r["racks"]), f"{r['generators']} x 4 + {r['trainer_devices']}",
                       str(r["k"]), f"{r['step_model_s']:.1f}", f"{r['gpu_hours_per_step']:.3f}",
-                      f"{r['speed_up_vs_k0']:.2f}", f"{r['generator_busy_share']:.2f}",
+                      f"{r['speed_up_vs_k0']:.2f}", f"{r['all_steps_model_s']:.1f}",
+                      f"{r['all_steps_speed_up_vs_k0']:.2f}", f"{r['generator_busy_share']:.2f}",
                       f"{r['trainer_idle_share']:.2f}", f"{r['stale_token_share']:.2f}",
                       f"{r['time_scale']:g}", f"{r['engine_max_lag_model_s']:.1f}",
                       f"{r['cost_step_s']:.1f}",
