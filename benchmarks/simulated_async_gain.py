@@ -98,9 +98,7 @@ def main() -> int:
                   f"{rows[-1]['step_model_s']:.1f} model s per step, "
                   f"{rows[-1]['wall_s']:.0f} s wall", flush=True)
     sweep.add_speed_ups(rows)
-    for r in rows:
-        base = next(b for b in rows if b["racks"] == r["racks"] and b["k"] == 0)
-        r["all_steps_speed_up_vs_k0"] = base["all_steps_model_s"] / r["all_steps_model_s"]
+    sweep.add_speed_ups(rows, step_key="all_steps_model_s", out_key="all_steps_speed_up_vs_k0")
 
     from rich.table import Table
 
@@ -109,8 +107,8 @@ def main() -> int:
                         f"with the pipeline's fill); token granularity "
                         f"{args.token_granularity}")
     for column in ("racks", "engines + trainers", "k", "step (model s)", "GPU-h / step",
-                   "speed-up vs k=0", "step, 1..N", "speed-up, 1..N", "generator busy", "trainer idle", "stale tokens",
-                   "time scale", "max lag (model s)", "cost model step (s)",
+                   "speed-up vs k=0", "step, 1..N", "speed-up, 1..N", "generator busy",
+                   "trainer idle", "stale tokens", "time scale", "max lag (model s)", "cost model step (s)",
                    "cost model GPU-h / step"):
         table.add_column(column, justify="right")
     for r in rows:

@@ -244,6 +244,12 @@ class CostReport:
         return train_seconds(self.config, self.accelerator, self.num_samples * self.tokens.trained,
                              num_devices)
 
+    def split_step_seconds(self, num_generator_devices: int, num_trainer_devices: int) -> float:
+        """The step on one split: the slower of generation over its devices and training over
+        its own, plus the weight sync all devices wait for."""
+        return max(self.generator_device_seconds / num_generator_devices,
+                   self.train_seconds(num_trainer_devices)) + self.config.weight_sync_seconds
+
     @property
     def trainer_scaling_limit(self) -> int:
         """Trainer devices past which a step trains no faster (its floor); 0 = no floor."""
@@ -436,8 +442,7 @@ def best_layout(report: CostReport) -> Layout:
         num_trainers = config.total_devices - num_generators
         if num_trainers < report.min_trainer_devices:
             break
-        step = max(report.generator_device_seconds / num_generators,
-                   report.train_seconds(num_trainers)) + config.weight_sync_seconds
+        step = report.split_step_seconds(num_generators, num_trainers)
         if best is None or step < best.step_seconds:
             best = Layout(num_generator_devices=num_generators, num_trainer_devices=num_trainers,
                           step_seconds=step,

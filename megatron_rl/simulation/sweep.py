@@ -76,12 +76,13 @@ def speed_up(sync_step_s: float, async_step_s: float) -> float:
     return sync_step_s / async_step_s
 
 
-def add_speed_ups(rows: list[dict]) -> None:
-    """Each row's `speed_up_vs_k0`: the k = 0 row's step time (same generators) over its own;
-    NaN where the grid has no k = 0 for those generators."""
-    sync = {r["generators"]: r["step_model_s"] for r in rows if r["k"] == 0}
+def add_speed_ups(rows: list[dict], *, step_key: str = "step_model_s",
+                  out_key: str = "speed_up_vs_k0") -> None:
+    """Each row's `out_key`: the k = 0 row's `step_key` (same generators) over its own; NaN
+    where the grid has no k = 0 for those generators."""
+    sync = {r["generators"]: r[step_key] for r in rows if r["k"] == 0}
     for r in rows:
-        r["speed_up_vs_k0"] = speed_up(sync.get(r["generators"], math.nan), r["step_model_s"])
+        r[out_key] = speed_up(sync.get(r["generators"], math.nan), r[step_key])
 
 
 def analytic(model, *, generators: int, devices_per_engine: int, trainer_devices: int, k: int,
@@ -99,8 +100,7 @@ def analytic(model, *, generators: int, devices_per_engine: int, trainer_devices
                                  pipeline_rl=k > 0, total_devices=total,
                                  generator_devices_per_instance=devices_per_engine)
     report = estimate_cost(config)
-    step = max(report.generator_device_seconds / gen_devices,
-               report.train_seconds(trainer_devices)) + config.weight_sync_seconds
+    step = report.split_step_seconds(gen_devices, trainer_devices)
     best = best_layout(report)
     return {"step_s": step, "gpu_hours_per_step": total * step / 3600.0,
             "balanced_gpu_hours_per_step": report.gpu_hours_per_step,

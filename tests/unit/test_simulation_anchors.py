@@ -111,9 +111,11 @@ def test_the_trainer_floor_default_is_the_verl_fit(monkeypatch):
     assert linear.train_seconds(128) == pytest.approx(report.train_seconds(32) / 4, rel=1e-9)
     assert linear.trainer_scaling_limit == 0
 
-    timing = TrainerTiming(model=config, profile=get_profile("H20"), num_devices=128)
-    assert timing.train_step_seconds(tokens) == report.train_seconds(128)
-    assert timing.score_seconds(tokens) == pytest.approx(report.train_seconds(128) / 3, rel=1e-9)
+    for devices in (32, 128):  # linear, then floored
+        timing = TrainerTiming(model=config, profile=get_profile("H20"), num_devices=devices)
+        assert timing.train_step_seconds(tokens) == report.train_seconds(devices)
+        assert timing.score_seconds(tokens) == pytest.approx(report.train_seconds(devices) / 3,
+                                                             rel=1e-9)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-math-7b", "qwen3-30b-a3b", "qwen3-235b-a22b",
