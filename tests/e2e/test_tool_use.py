@@ -36,7 +36,7 @@ from _checks import ROOT, processes_left, run_train, scalars  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-NUM_STEPS = 4
+NUM_STEPS = 5  # steps 1-2 are generated before the trainer starts; updates 2-4 can span
 BATCH = 32
 # The bf16 engine (SGLang's Llama-4 path) against the fp32 trainer on this model: measured over
 # the 24 steps of `make demo-tools`, mean 0.0006-0.008 and max 0.07-0.83 per step (a sharp
@@ -66,11 +66,14 @@ def test_tool_use_trajectories_with_in_flight_updates(tmp_path):
         "examples/configs/tool_demo.yaml", f"output_dir={out}",
         f"model.hf_checkpoint={base / 'model'}", f"data.prompts={base / 'prompts.jsonl'}",
         f"train.num_steps={NUM_STEPS}", f"train.global_batch_size={BATCH}",  # 4 prompts x 8
-        # One request at a time on the engine: a step's trajectories take longer to generate
-        # than a step takes to train, so every in-flight update finds trajectories part-way
-        # through (with 64 requests at once the next batch could finish before the update
-        # landed, and no trajectory spanned two versions: a CI run under load).
-        "rollout.deterministic=true",
+        # An update lands inside trajectories only while the next step's are being generated:
+        # one request at a time on the engine (a step's trajectories take ~25x longer to
+        # generate than to train, unloaded) and every turn first come first served, so that
+        # all of a step's first turns run before any second turn and an update landing at any
+        # point of that generation finds trajectories between their turns. (With 64 requests
+        # at once the next batch finished before the update; with second turns first, each
+        # trajectory ran in ~0.4 s and an update at 0.5 s found none part-way: two CI runs.)
+        "rollout.deterministic=true", "rollout.continuations_first=false",
         "eval.num_heldout_prompts=8", "eval.samples_per_prompt=2",
         f"eval.interval_steps={NUM_STEPS}",
         "checkpoint.interval_steps=0", "logging.progress_bar=false",
