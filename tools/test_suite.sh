@@ -20,7 +20,7 @@ tp_ep=(tests/integration/test_sglang_tp_ep_tp2.py tests/integration/test_sglang_
 tp_ep2_moe=tests/integration/test_sglang_tp_ep2_moe.py
 lifetime=tests/integration/test_engine_lifetime.py
 colocated=tests/e2e/test_train_colocated.py
-# The multi-turn tool-use run (~4 min: the tool demo's tiny warm-up, then 4 steps) with the unit
+# The multi-turn tool-use run (~4 min: the tool demo's tiny warm-up, then 5 steps) with the unit
 # and dist tiers, the stream with room (13m44 in CI, the others 20-24.5 min).
 tool_use=tests/e2e/test_tool_use.py
 # The GPU image's install set resolved against PyPI (pip --dry-run): ~2.5 min of mostly network
