@@ -11,7 +11,8 @@ multi-tensor fallbacks) is a speed fix from profiling the CPU train step (docs/t
 as are shim 11 (a one-rank parameter all-gather done as a copy) and shim 7's RMSNorm with a
 one-node backward; shim 12 (RoPE positions under context parallelism) came with CP; shim 13
 (an in-process queue for the synchronous checkpoint writer) is a start-up cost fix; shim 14 (the
-attention's RoPE in one autograd node) is another speed fix of the train step.
+attention's RoPE in one autograd node) is another speed fix of the train step; shim 15 (Megatron's
+torch.compile'd fused functions run eager) is a start-up and CPU-time fix.
 The nvidia-resiliency-ext version skew that breaks `import megatron.core` is not CPU-specific and
 is handled in megatron_rl/_nvrx_compat.py. Call `activate_cpu_compat()` before the first
 `import megatron.core` (shim 1 must be in place before that import).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib.util
+import os
 import sys
 import types
 
@@ -38,6 +40,7 @@ def activate_cpu_compat() -> bool:
         return False
     if _ACTIVE:
         return True
+    _shim_eager_torch_compile()  # before anything imports megatron.core (its decorators)
     _shim_triton_stand_in()
     _shim_cuda_device_redirect()
     _shim_current_device_and_dot_cuda()
@@ -422,3 +425,21 @@ def _shim_attention_rope_one_node() -> None:
         return apply_rotary(t, freqs, interleaved=config.rotary_interleaved, mscale=mscale)
 
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+# 15. Megatron's fused functions are torch.compile'd (megatron/core/jit.py: `jit_fuser`; the
+#    bias-SwiGLU / GeLU fusions, the MoE router's helpers, L2Norm, ...). On CPU each is dynamo's
+#    trace and an inductor C++ build (gcc) at its first call and again at each new shape: seconds
+#    of CPU apiece, tens of seconds under load, in every trainer rank and test process, for kernels
+#    no faster than eager at CPU sizes. With TORCHDYNAMO_DISABLE=1 in the environment before
+#    megatron.core is imported, torch.compile returns the function itself: eager, as SGLang's CPU
+#    engines run (megatron_rl/rollout/sglang_server.py). A value already set stands
+#    (TORCHDYNAMO_DISABLE=0 keeps compiling); functions compiled before this call (megatron
+#    imported before the shims, against the rule above) run eager too (dynamo's `disable` flag is
+#    read at each call). tests/dist/test_trainer_parallel.py: 81 -> 60 CPU-seconds, warm caches.
+def _shim_eager_torch_compile() -> None:
+    if os.environ.setdefault("TORCHDYNAMO_DISABLE", "1") != "1":
+        return
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.config.disable = True

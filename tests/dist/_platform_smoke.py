@@ -1,6 +1,7 @@
 """Subprocess body of test_platform_cpu_compat.py: the shims patch process-wide torch state, so
 they are exercised in a fresh interpreter, never inside the pytest process. Prints one JSON line."""
 import json
+import os
 
 import torch
 
@@ -16,6 +17,16 @@ def main() -> None:
     result["to_device"] = str(torch.ones(2).to("cuda").device)
     result["current_device_tensor"] = str(torch.empty(1, device=torch.cuda.current_device()).device)
     result["type_string"] = torch.ones(1).type()
+    # Shim 15: Megatron's torch.compile'd fused functions are the plain functions (eager); the
+    # probe shows the check sees a compiled one (torch.compile wraps it).
+    from megatron.core.fusions.fused_bias_swiglu import swiglu
+
+    result["torchdynamo_disable"] = os.environ.get("TORCHDYNAMO_DISABLE")
+    result["megatron_swiglu_compiled"] = hasattr(swiglu, "_torchdynamo_orig_callable")
+    os.environ["TORCHDYNAMO_DISABLE"] = "0"
+    result["probe_compiled"] = hasattr(torch.compile(lambda x: x + 1),
+                                       "_torchdynamo_orig_callable")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
     torch.cuda.synchronize()
     event = torch.cuda.current_stream().record_event()
     event.synchronize()

@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def smoke() -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    # TORCHDYNAMO_DISABLE: shim 15 sets it, in this process too once a test here activated the
+    # shims; the fresh process must show that activation, not inherit it.
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHDYNAMO_DISABLE"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-W", "ignore", str(Path(__file__).parent /
                           "_platform_smoke.py")], env=env, capture_output=True, text=True,
@@ -43,6 +46,12 @@ def test_cuda_requests_land_on_cpu(smoke):
     assert smoke["current_device_tensor"] == "cpu"
     # Megatron's optimizers and clip_grads dispatch on this exact string.
     assert smoke["type_string"] == "torch.cuda.FloatTensor"
+
+
+def test_megatrons_compiled_fusions_run_eager_on_cpu(smoke):
+    assert smoke["torchdynamo_disable"] == "1"
+    assert smoke["megatron_swiglu_compiled"] is False
+    assert smoke["probe_compiled"] is True  # the check would see a compiled function
 
 
 def test_gpt_model_forward_backward_on_cpu(smoke):
