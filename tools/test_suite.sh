@@ -45,6 +45,12 @@ streams=("tests/e2e --ignore=$colocated --ignore=$tool_use --ignore=$demo --igno
          "tests/integration ${tp_ep[*]/#/--ignore=} --ignore=$tp_ep2_moe --ignore=$lifetime --ignore=$image"
          "tests/unit tests/dist ${tp_ep[*]} $colocated $tool_use"
          "$image $sweep $tp_ep2_moe $lifetime $chaos")
+# The machine's CPU time over the suite (/proc/stat: user nice system idle iowait irq softirq
+# steal, in clock ticks), printed with the summary: busy near 2 x wall says the suite was
+# CPU-bound; steal is time the host gave to others (a slower run on the same work).
+cpu_ticks() { [ -r /proc/stat ] && awk '/^cpu /{print $2+$3+$4+$7+$8, $5, $6, $9}' /proc/stat; }
+cpu_start=$(cpu_ticks)
+suite_start=$SECONDS
 pids=()
 for i in "${!streams[@]}"; do
     # -p no:cacheprovider: the streams would all write .pytest_cache.
@@ -68,4 +74,12 @@ for i in "${!streams[@]}"; do
 done
 echo "=================== make test: ${#streams[@]} streams ==================="
 printf '%s\n' "${summary[@]}"
+if [ -n "$cpu_start" ]; then
+    read -r busy0 idle0 iowait0 steal0 <<<"$cpu_start"
+    read -r busy1 idle1 iowait1 steal1 <<<"$(cpu_ticks)"
+    hz=$(getconf CLK_TCK)
+    echo "  CPU over $((SECONDS - suite_start)) s on $(nproc) cores: busy $(((busy1 - busy0) / hz)) s," \
+         "idle $(((idle1 - idle0) / hz)) s, iowait $(((iowait1 - iowait0) / hz)) s," \
+         "steal $(((steal1 - steal0) / hz)) s"
+fi
 exit "$status"
