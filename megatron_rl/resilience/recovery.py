@@ -328,9 +328,12 @@ class GeneratorHealth:
         ledger.record_fault(self.out, recovered=False, **fault)
 
     def _place_later(self, index: int, fault: dict, why: str) -> None:
-        """Re-create generator `index` in its bundle once Ray can place it (an attempt, counted
-        when it fails to start); the run goes on without it meanwhile."""
-        self._restarts[index] = self._restarts.get(index, 0) + 1
+        """Re-create generator `index` in its bundle once Ray can place it; the run goes on
+        without it meanwhile. A lost node is not the engine failing: the placement is the first
+        attempt of a fresh sequence (max_generator_restarts bounds its failed starts), so that
+        neither an in-place restart the node loss defeated nor the placement itself count
+        against a fault of the re-created engine within its first 5 minutes."""
+        self._restarts[index] = 1
         self.generators.replace(index)
         first, name = fault["what"].splitlines()[0][:200], self.generators.names[index]
         if "was lost" not in first:  # first seen by a request or a health check
