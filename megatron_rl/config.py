@@ -564,8 +564,9 @@ class RolloutConfig:
         "checkpoint on GPU takes minutes", ge=10.0)
     max_generator_restarts: int = _field(3, "restarts of one generator in a row (with backoff; "
                                          "a restart that fails again within 5 minutes counts "
-                                         "on) before it is given up; the run goes on without "
-                                         "it while others are up", ge=0)
+                                         "on; an engine re-created after its node's loss "
+                                         "starts a fresh count) before it is given up; the run "
+                                         "goes on without it while others are up", ge=0)
     no_progress_timeout_s: float = _field(
         120.0, "a generator with requests in flight that shows no progress this long (none of "
         "its requests answered, and SGLang's /health_generate saw no completed forward step) "
@@ -1040,6 +1041,13 @@ class EnvironmentConfig:
                                      "call past it is a tool error the model reads", gt=0.0)
     tool_max_output_chars: int = _field(1000, "longest tool output shown to the model; longer "
                                         "output is cut, with a note of how much", ge=1)
+    step_timeout_s: float = _field(
+        1800.0, "longest wait for an environment's start, one step or close on a trajectory; "
+        "past it the call is cancelled and the trajectory ends as a verifier failure (its group "
+        "dropped, as with a failed verifier), so a hung environment cannot stall the run. The "
+        "wait includes the environment's own queue (a tool call waits for a sandbox worker: "
+        "allow calls in flight / sandbox workers x tool_wall_time_s); more than "
+        "tool_wall_time_s", gt=0.0)
     tool_system_prompt: str | None = _field(
         None, "system message prepended to a tool task's conversation (how to call the tool); "
         "null = the conversation as the prompt file gives it")
@@ -1063,6 +1071,11 @@ class EnvironmentConfig:
                  f"({self.tool_call_open!r}); a call needs distinct open and close texts")
         _require(self.tool_system_prompt is None or self.tool_system_prompt.strip() != "",
                  "environment.tool_system_prompt: empty; give the system message or null")
+        _require(self.step_timeout_s > self.tool_wall_time_s,
+                 f"environment.step_timeout_s ({self.step_timeout_s:g}) must exceed "
+                 f"environment.tool_wall_time_s ({self.tool_wall_time_s:g}): a step runs a tool "
+                 "call, and one past its wall time is an observation the model reads, not a "
+                 "hung environment; raise step_timeout_s")
         _check_observation_template(self.observation_template)
 
 

@@ -184,7 +184,7 @@ class RunSetup:
                 known[id(environment)] = MultiTurnSettings(
                     max_turns=cfg.environment.max_turns,
                     max_trajectory_tokens=cfg.max_trajectory_tokens, turn_stop_ids=stops,
-                    end_of_turn_ids=end_of_turn)
+                    end_of_turn_ids=end_of_turn, step_timeout_s=cfg.environment.step_timeout_s)
             return known[id(environment)]
 
         for task in {record.task for record in records}:  # stop texts checked now, not mid-run

@@ -21,7 +21,7 @@ tp_ep2_moe=tests/integration/test_sglang_tp_ep2_moe.py
 lifetime=tests/integration/test_engine_lifetime.py
 colocated=tests/e2e/test_train_colocated.py
 # The multi-turn tool-use run (~4 min: the tool demo's tiny warm-up, then 5 steps) with the unit
-# and dist tiers, the stream with room (13m44 in CI, the others 20-24.5 min).
+# and dist tiers (19m27 in the last CI with it; the longest stream 23m54).
 tool_use=tests/e2e/test_tool_use.py
 # The GPU image's install set resolved against PyPI (pip --dry-run): ~2.5 min of mostly network
 # wait, so a stream of its own adds little CPU and no wall time to the others.

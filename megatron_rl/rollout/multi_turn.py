@@ -28,9 +28,15 @@ The rules:
 - Failures: a tool failure is an observation (the environment's business). An exception out of
   `environment.start` or `session.step`, or a final step that is not done, ends the trajectory
   with a verifier failure (Reason.VERIFIER_ERROR, reward None: the group is dropped downstream
-  as with a failed verifier), never a crash of the rollouts. Generator failures
-  (GeneratorDeadError) and cancellation propagate, as for single-turn samples (the manager
-  re-queues the group). `session.close()` is always called.
+  as with a failed verifier), never a crash of the rollouts. So does an environment that does not
+  answer: `start`, each `step` and `close` are awaited at most `step_timeout_s`
+  (environment.step_timeout_s), then cancelled, so that a hung environment (a tool service that
+  stopped answering) costs its group, not the run: the step waits on every group it admitted.
+  The wait includes the environment's own queue (a tool call waiting for a sandbox worker).
+  Only an environment that yields to the event loop can be timed out (one that blocks it, e.g.
+  `time.sleep` in `step`, stops every rollout of the process: run blocking work in a thread).
+  Generator failures (GeneratorDeadError) and cancellation propagate, as for single-turn samples
+  (the manager re-queues the group). `session.close()` is always called.
 - The sample: `finish_reason` of the last turn, `interrupted` if any turn was forcibly
   interrupted, `thinking_budget` the first turn's drawn budget, and `trajectory` its
   `TrajectoryStats` (turns, tool calls, prefill vs decode tokens per request: prefill = input -
@@ -38,6 +44,7 @@ The rules:
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import random
@@ -83,6 +90,8 @@ class MultiTurnSettings:
     max_trajectory_tokens: int  # completion side: model + observation tokens
     turn_stop_ids: tuple[int, ...] = ()  # end a model turn (Environment.stop_texts)
     end_of_turn_ids: tuple[int, ...] = ()  # EOS ids: a turn ending with one is closed
+    # Longest wait for the environment's start, one step or close (environment.step_timeout_s).
+    step_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -90,11 +99,36 @@ class MultiTurnSettings:
         if self.max_trajectory_tokens < 1:
             raise ValueError(f"max_trajectory_tokens must be >= 1, got "
                              f"{self.max_trajectory_tokens}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
 
 
 def _failure(detail: str) -> RewardResult:
     return RewardResult(reward=None, reason=Reason.VERIFIER_ERROR, pass_fraction=0.0,
                         detail=detail[:2000])
+
+
+class _NoAnswer(Exception):
+    """The environment did not answer within its step_timeout_s (`_within`)."""
+
+
+async def _within(awaitable, timeout_s: float, what: str):
+    """`awaitable`'s result; _NoAnswer naming `what` when `timeout_s` passes first (it is then
+    cancelled). Its own exceptions propagate as they are (a TimeoutError of its own is not a
+    missed answer), and a cancellation of the caller cancels it."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except BaseException:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        # What it raises while being cancelled is not waited for: retrieve it, unlogged.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise _NoAnswer(f"{what} did not answer within {timeout_s:g} s "
+                        "(environment.step_timeout_s); it was cancelled")
+    return task.result()
 
 
 async def generate_trajectory(generate_one: GenerateOne, prompt_ids: Sequence[int], *, session,
@@ -111,22 +145,26 @@ async def generate_trajectory(generate_one: GenerateOne, prompt_ids: Sequence[in
             turn_format=turn_format, settings=settings, interruption=interruption, rng=rng,
             group_id=group_id, sample_index=sample_index, decode=decode)
     except BaseException:
-        await _close(session, quiet=True)  # what is propagating (a dead generator, a cancel) wins
+        # What is propagating (a dead generator, a cancel) wins.
+        await _close(session, settings.step_timeout_s, quiet=True)
         raise
-    closed = await _close(session, quiet=False)
+    closed = await _close(session, settings.step_timeout_s, quiet=False)
     return sample, result if closed is None else _failure(closed)
 
 
-async def _close(session, *, quiet: bool) -> str | None:
+async def _close(session, timeout_s: float, *, quiet: bool) -> str | None:
     """session.close(); its failure as a text (None: closed)."""
     try:
-        await session.close()
+        await _within(session.close(), timeout_s, "session.close()")
+    except _NoAnswer as exc:
+        failure = str(exc)
     except Exception as exc:  # noqa: BLE001 - the environment's failure, confined to its sample
-        if quiet:
-            logger.warning("closing an environment session failed: %s: %s",
-                           type(exc).__name__, exc)
-        return f"session.close() raised {type(exc).__name__}: {exc}"
-    return None
+        failure = f"session.close() raised {type(exc).__name__}: {exc}"
+    else:
+        return None
+    if quiet:
+        logger.warning("closing an environment session failed: %s", failure)
+    return failure
 
 
 async def _trajectory(generate_one: GenerateOne, prompt: tuple[int, ...], *, session,
@@ -144,7 +182,10 @@ async def _trajectory(generate_one: GenerateOne, prompt: tuple[int, ...], *, ses
         nonlocal tool_calls, tool_errors, tool_seconds
         started = time.perf_counter()
         try:
-            answer = await session.step(text, final=final)
+            answer = await _within(session.step(text, final=final), settings.step_timeout_s,
+                                   f"the environment's step (turn {turns})")
+        except _NoAnswer as exc:
+            return None, _failure(str(exc))
         except Exception as exc:  # noqa: BLE001 - an environment failure: this sample's verdict
             return None, _failure(f"environment step raised {type(exc).__name__}: {exc}")
         finally:
@@ -234,12 +275,14 @@ class MultiTurnRollout:
         environment = self.environments(record)
         settings = self.settings_for(environment)
         try:
-            session = await environment.start(record)
+            session = await _within(environment.start(record), settings.step_timeout_s,
+                                    "the environment's start")
         except Exception as exc:  # noqa: BLE001 - an environment failure: this sample's verdict
             empty = assemble_sample(group_id=group_id, sample_index=sample_index,
                                     prompt_token_ids=prompt_ids, segments=(),
                                     finish_reason="abort")
-            return empty, _failure(f"environment start raised {type(exc).__name__}: {exc}")
+            return empty, _failure(str(exc) if isinstance(exc, _NoAnswer) else
+                                   f"environment start raised {type(exc).__name__}: {exc}")
         return await generate_trajectory(
             generate_one, prompt_ids, session=session, turn_format=self.turn_format,
             settings=settings, interruption=interruption, rng=rng, group_id=group_id,

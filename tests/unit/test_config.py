@@ -199,6 +199,8 @@ def test_derived_parallel_sizes_and_paths():
                                               "distinct open and close"]),
     (["environment.tool_call_open=' '"], ["environment.tool_call_open", "empty"]),
     (["environment.tool_wall_time_s=0"], ["environment.tool_wall_time_s", "must be > 0.0"]),
+    (["environment.step_timeout_s=5"], ["environment.step_timeout_s (5) must exceed "
+                                        "environment.tool_wall_time_s (5)", "raise"]),
     (["environment.observation_template='<out>{text}</out>'"],
      ["environment.observation_template", "{content}", "['text']"]),
     (["environment.observation_template='<out>{content'"],

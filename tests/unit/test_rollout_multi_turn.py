@@ -182,6 +182,90 @@ def test_an_environment_failure_is_the_samples_verifier_failure_and_the_session_
     assert result.reason == Reason.VERIFIER_ERROR and "final" in result.detail
 
 
+class Hung(Session):
+    """A scripted session (stand-in) whose step `hang_at` (1-based), or close, never answers
+    until cancelled; records the cancellations it saw."""
+
+    def __init__(self, *answers, hang_at=None, hang_close=False):
+        super().__init__(*answers)
+        self.hang_at, self.hang_close, self.cancelled = hang_at, hang_close, []
+
+    async def _hang(self, what):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(what)
+            raise
+
+    async def step(self, turn, *, final=False):
+        if len(self.steps) + 1 == self.hang_at:
+            self.steps.append((turn, final))
+            await self._hang("step")
+        return await super().step(turn, final=final)
+
+    async def close(self):
+        await super().close()
+        if self.hang_close:
+            await self._hang("close")
+
+
+def test_an_environment_that_does_not_answer_ends_its_trajectory_not_the_run():
+    """environment.step_timeout_s: a step, a close or a start that never answers is cancelled
+    after the timeout and the trajectory is a verifier failure that says so; an environment's
+    own TimeoutError is its failure, not a missed answer; a cancelled trajectory cancels the
+    step it waits on."""
+    def turns(timeout_s):
+        return dataclasses.replace(settings(), step_timeout_s=timeout_s)
+
+    two_turns = (((10, STOP), "stop", 0, None), ((20, EOS), "stop", 0, None))
+    session = Hung(observe("40"), hang_at=2)
+    sample, result = run(Script(*two_turns), session, turns(0.2))
+    assert result.reason == Reason.VERIFIER_ERROR and result.reward is None
+    assert "the environment's step (turn 2) did not answer within 0.2 s" in result.detail
+    assert "environment.step_timeout_s" in result.detail
+    assert session.cancelled == ["step"] and session.closed == 1
+    assert sample.token_ids == (10, STOP, OPEN, 40, 20, EOS)  # what was generated stays
+
+    session = Session(observe("40"), TimeoutError("tool service timed out"))
+    _, result = run(Script(*two_turns), session, turns(30.0))
+    assert result.detail == "environment step raised TimeoutError: tool service timed out"
+
+    session = Hung(observe("40"), done(), hang_close=True)
+    _, result = run(Script(*two_turns), session, turns(0.2))
+    assert result.reason == Reason.VERIFIER_ERROR and session.cancelled == ["close"]
+    assert "session.close() did not answer within 0.2 s" in result.detail
+
+    class NeverStarts(Env):
+        async def start(self, record):
+            await asyncio.Event().wait()
+
+    rollout = MultiTurnRollout(environments=lambda record: NeverStarts(),
+                               turn_format=Format(), settings_for=lambda env: turns(0.2),
+                               decode=decode)
+    sample, result = asyncio.run(rollout.run(Script(), (1, 2), None, interruption=PLAIN,
+                                             rng=random.Random(0), group_id=0, sample_index=0))
+    assert sample.token_ids == () and sample.finish_reason == "abort"
+    assert "the environment's start did not answer within 0.2 s" in result.detail
+
+    async def cancelled_while_stepping():
+        session = Hung(hang_at=1)
+        task = asyncio.ensure_future(generate_trajectory(
+            Script(((10, STOP), "stop", 0, None)), (1, 2), session=session,
+            turn_format=Format(), settings=turns(30.0), interruption=PLAIN,
+            rng=random.Random(0), group_id=0, sample_index=0, decode=decode))
+        while not session.steps:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return session
+
+    session = asyncio.run(cancelled_while_stepping())
+    assert session.cancelled == ["step"] and session.closed == 1
+    with pytest.raises(ValueError, match="step_timeout_s must be > 0"):
+        turns(0.0)
+
+
 def test_a_failed_trajectorys_group_can_be_recorded_in_the_ledger():
     """The step's ledger digest hashes every result's reward: a verifier failure (None) must
     not stop the run there (it hashes as NaN, unlike any reward)."""

@@ -76,7 +76,7 @@ def test_user_modules_register_with_the_runs_context(tmp_path, monkeypatch):
 
 
 def test_the_multi_turn_rollout_only_for_multi_turn_prompts(tmp_path):
-    run, sandbox = _setup(tmp_path, ("<tool>", "</tool>"))
+    run, sandbox = _setup(tmp_path, ("<tool>", "</tool>"), "environment.step_timeout_s=90")
     run.environments = run._environments(sandbox)
     run.data = RunPrompts(train_records=_records("math", "rg/gcd"), heldout_records=_records(
         "math"), train_prompt_ids=[[1], [1]], heldout_prompt_ids=[[1]])
@@ -91,6 +91,7 @@ def test_the_multi_turn_rollout_only_for_multi_turn_prompts(tmp_path):
     close_id = run.tokenizer.convert_tokens_to_ids("</tool>")
     assert (settings.max_turns, settings.max_trajectory_tokens) == (3, 3 * (24 + 40))
     assert settings.turn_stop_ids == (close_id,) and settings.end_of_turn_ids == (2,)
+    assert settings.step_timeout_s == 90.0
 
 
 def test_a_stop_text_that_is_not_one_token_stops_the_start(tmp_path):
