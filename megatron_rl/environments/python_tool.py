@@ -19,7 +19,8 @@ import time
 from megatron_rl.data.records import PromptRecord
 from megatron_rl.environments.base import Environment, EnvironmentSession, StepResult
 from megatron_rl.environments.verifier import Grader, confined_grade
-from megatron_rl.rewards.sandbox import ExecutionResult, Sandbox, SandboxLimits
+from megatron_rl.rewards.sandbox import (ExecutionRequest, ExecutionResult, Sandbox,
+                                         SandboxLimits)
 from megatron_rl.rewards.types import Reason, RewardScale, make_result
 
 
@@ -123,7 +124,10 @@ class _ToolSession(EnvironmentSession):
             reward = await asyncio.to_thread(confined_grade, self._env.grade, text, self._record)
             return StepResult(done=True, reward=reward)
         start = time.monotonic()
-        result = await asyncio.to_thread(self._env.sandbox.run, code, limits=self._env.limits)
+        # On the sandbox's num_workers threads, not the event loop's few (min(32, CPUs + 4)),
+        # which the rollout's scoring shares: thousands of trajectories call at once at scale.
+        result = await asyncio.wrap_future(self._env.sandbox.submit(
+            ExecutionRequest(program=code, limits=self._env.limits)))
         seconds = time.monotonic() - start
         if result.status == "sandbox_error":  # the sandbox failed, not the program: no verdict
             return StepResult(done=True, tool_calls=1, tool_errors=1, tool_seconds=seconds,

@@ -39,7 +39,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -289,12 +289,21 @@ class Sandbox:
 
     def map(self, requests: Sequence[ExecutionRequest]) -> list[ExecutionResult]:
         """Run many requests concurrently (num_workers at a time); results in request order."""
+        return list(self._workers().map(self.execute, requests))
+
+    def submit(self, request: ExecutionRequest) -> Future[ExecutionResult]:
+        """`execute(request)` on the sandbox's own num_workers threads (those of `map`): for a
+        caller that must not lend a thread of its own while the program queues and runs, e.g.
+        an event loop (`asyncio.wrap_future`), whose default executor has min(32, CPUs + 4)
+        threads for everything it runs. Cancelling the future drops a request still queued."""
+        return self._workers().submit(self.execute, request)
+
+    def _workers(self) -> ThreadPoolExecutor:
         with self._server_lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self.config.num_workers,
                                                     thread_name_prefix="sandbox")
-            executor = self._executor
-        return list(executor.map(self.execute, requests))
+            return self._executor
 
     def close(self) -> None:
         if self._executor is not None:

@@ -2,9 +2,12 @@
 (its server is a local subprocess, started once per module in ~0.1 s; isolation "auto" so that a
 host without namespaces uses the seccomp fallback), graded by the real reasoning-gym reward; the
 verifier environment against RewardRegistry.score; the registry's dispatch, checks and module
-loading. No stand-ins except hand graders where a test needs to see what is graded."""
+loading. No stand-ins except hand graders where a test needs to see what is graded, and one
+sandbox whose programs wait on a barrier (how many tool calls run at once: scheduling logic)."""
 import asyncio
 import dataclasses
+import os
+import threading
 
 import pytest
 
@@ -28,7 +31,7 @@ from megatron_rl.rewards import (
     make_result,
 )
 from megatron_rl.rewards.registry import UnknownTaskError
-from megatron_rl.rewards.sandbox import SandboxUnavailableError
+from megatron_rl.rewards.sandbox import ExecutionResult, SandboxUnavailableError
 
 pytestmark = pytest.mark.unit
 
@@ -137,6 +140,43 @@ def test_the_last_turn_is_graded_without_running_its_call(sandbox, rg_record):
         else:
             (end,) = _steps(_tool_env(sandbox, grade=broken), rg_record, ["no call"])
             assert end.reward.reason == outcome and end.reward.reward is None
+
+
+def test_tool_calls_run_on_the_sandboxs_workers_not_the_event_loops_few_threads(rg_record):
+    """At scale thousands of trajectories call the tool at once: num_workers programs must run
+    at a time, whatever the size of asyncio's default executor (min(32, CPUs + 4) threads, which
+    the rollout's scoring shares). Stand-in: every program waits on a barrier of num_workers
+    (a few more than that default executor), so the calls pass only if all run at once."""
+    default_threads = min(32, (os.cpu_count() or 1) + 4)
+
+    class Gathering(Sandbox):
+        def __init__(self, parties):
+            super().__init__(SandboxConfig(num_workers=parties, isolation="auto"))
+            self.barrier = threading.Barrier(parties, timeout=60)
+
+        def execute(self, request):
+            self.barrier.wait()  # BrokenBarrierError after 60 s if fewer run at once
+            return ExecutionResult(status="ok", stdout=request.program, stderr="",
+                                   test_passed=(), exit_code=0, signal=None, wall_time_s=0.0,
+                                   cpu_time_s=0.0, max_rss_bytes=0, isolation="seccomp",
+                                   uid=None)
+
+    parties = default_threads + 2
+    with Gathering(parties) as sandbox:
+        environment = _tool_env(sandbox)
+
+        async def calls():
+            async def one(i):
+                session = await environment.start(rg_record)
+                try:
+                    return await session.step(f"<tool>print({i})</tool>")
+                finally:
+                    await session.close()
+            return await asyncio.gather(*(one(i) for i in range(parties)))
+
+        results = asyncio.run(calls())
+    assert [r.observation[0]["content"] for r in results] == \
+        [f"print({i})" for i in range(parties)]
 
 
 def test_a_sandbox_failure_ends_the_trajectory_without_reward(rg_record):
