@@ -9,7 +9,9 @@ worked solutions written by code (megatron_rl/data/worked_solutions.py). Prompts
 an RL run tokenizes them for its generators (the chat template when the tokenizer has one, else
 the text with the tokenizer's special tokens, e.g. BOS); the response follows as its own tokens
 plus EOS, and only those carry loss, so the model learns to continue exactly the token sequence
-the generators will give it. `--exclude-prompts FILE` names a prompt file (an RL run's prompts)
+the generators will give it. A multi-turn response's observations (a tool's output: pieces
+{"observation": ...}, megatron_rl/data/sft_examples.py) are in the sequence with loss mask 0, as
+in RL: the model reads them and never learns to write them. `--exclude-prompts FILE` names a prompt file (an RL run's prompts)
 whose prompts must never be trained on: rg data skips them, a .jsonl containing any is refused.
 
 Batches are `batch_size` examples per optimizer step, drawn epoch by epoch in an order fixed by
@@ -150,8 +152,11 @@ def load_examples(settings: SFTSettings) -> list[SFTExample]:
 
 
 def tokenize_examples(tokenizer, examples: Sequence[SFTExample], *,
-                      max_tokens: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + EOS) per example; a whole example must fit `max_tokens`."""
+                      max_tokens: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, response ids + EOS, the response's loss mask) per example; a whole example
+    must fit `max_tokens`. A response with observations is tokenized piece by piece (as the
+    rollout tokenizes an observation apart from the turns around it), its observation tokens
+    masked 0; EOS and the model's text 1."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no eos_token: SFT ends every response with it so the "
@@ -159,7 +164,20 @@ def tokenize_examples(tokenizer, examples: Sequence[SFTExample], *,
     encoded = []
     for index, example in enumerate(examples):
         prompt = prompt_token_ids(tokenizer, example.prompt)
-        response = list(tokenizer.encode(example.response, add_special_tokens=False)) + [eos]
+        if not example.observations:  # one piece: tokenized whole, as before pieces existed
+            response = list(tokenizer.encode(example.response, add_special_tokens=False))
+            mask = [1] * len(response)
+        else:
+            response, mask = [], []
+            for text, observation in example.pieces():
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                response += ids
+                mask += [0 if observation else 1] * len(ids)
+            if not any(mask):
+                raise ValueError(f"example {index}: the model's text of the response encodes "
+                                 "to no tokens; only its observations do")
+        response.append(eos)
+        mask.append(1)
         if not prompt:
             raise ValueError(f"example {index}: the prompt encodes to no tokens")
         if len(prompt) + len(response) > max_tokens:
@@ -167,7 +185,7 @@ def tokenize_examples(tokenizer, examples: Sequence[SFTExample], *,
                 f"example {index} has {len(prompt) + len(response)} tokens, more than "
                 f"{max_tokens} (the model's max_position_embeddings or "
                 "--micro-batch-max-tokens + 1): shorten it or raise --micro-batch-max-tokens")
-        encoded.append((prompt, response))
+        encoded.append((prompt, response, mask))
     return encoded
 
 
@@ -188,18 +206,20 @@ def batch_indices(num_examples: int, *, batch_size: int, num_steps: int,
         pending = pending[batch_size:]
 
 
-def sft_batch(encoded: Sequence[tuple[list[int], list[int]]], indices: Sequence[int]):
-    """The trainer's TrainBatch of examples `indices`: loss mask 1 on the response tokens only;
-    each example is its own prompt group; no behaviour log-probs or advantages (unused by SFT)."""
+def sft_batch(encoded: Sequence[tuple[list[int], list[int], list[int]]],
+              indices: Sequence[int]):
+    """The trainer's TrainBatch of examples `indices`: loss mask 1 on the response tokens only
+    (observations excluded); each example is its own prompt group; no behaviour log-probs or
+    advantages (unused by SFT)."""
     import torch
 
     from megatron_rl.trainer import TrainBatch
 
     token_ids, loss_mask = [], []
     for i in indices:
-        prompt, response = encoded[i]
+        prompt, response, mask = encoded[i]
         token_ids.append(torch.tensor(prompt + response, dtype=torch.long))
-        loss_mask.append(torch.tensor([0] * len(prompt) + [1] * len(response), dtype=torch.long))
+        loss_mask.append(torch.tensor([0] * len(prompt) + mask, dtype=torch.long))
     num = len(indices)
     return TrainBatch(token_ids=token_ids, loss_mask=loss_mask,
                       old_logprobs=[torch.zeros(len(t)) for t in token_ids],
@@ -291,7 +311,7 @@ def run_sft(settings: SFTSettings) -> SFTResult:
                      family.hf_config.max_position_embeddings)
     encoded = tokenize_examples(tokenizer, examples, max_tokens=max_tokens)
     vocab_size = family.hf_config.vocab_size
-    too_big = max(max(p + r) for p, r in encoded)
+    too_big = max(max(prompt + response) for prompt, response, _ in encoded)
     if too_big >= vocab_size:
         raise ValueError(f"the tokenizer produced token id {too_big}, outside the model's "
                          f"vocabulary of {vocab_size}: tokenizer and model do not belong together")
@@ -385,8 +405,10 @@ def _parser() -> argparse.ArgumentParser:
                     "OUTPUT_DIR/tensorboard. Reference: docs/sft.md.")
     parser.add_argument("hf_checkpoint", help="HF model folder to start from (config.json, "
                         "safetensors, tokenizer)")
-    parser.add_argument("data", help='a .jsonl of {"prompt": ..., "response": ...} objects, or '
-                        "rg/<dataset> for reasoning-gym problems with worked solutions")
+    parser.add_argument("data", help='a .jsonl of {"prompt": ..., "response": ...} objects (a '
+                        'multi-turn response: a list of strings and {"observation": ...} pieces, '
+                        "the observations not trained on), or rg/<dataset> for reasoning-gym "
+                        "problems with worked solutions")
     parser.add_argument("output_dir")
 
     def option(name: str, kind=None, help: str = "", **kwargs) -> None:

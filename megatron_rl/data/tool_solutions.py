@@ -18,7 +18,9 @@ the tool only part of the time and RL has a behaviour to raise that the reward c
 The tags are added tokens of the demo's tokenizer (TOOL_TAG_TOKENS, megatron_rl/data/tokenizer.py
 splits text at them before BPE), so no merge crosses the boundaries at which the rollout joins
 the model's tokens and the observation's: the SFT response tokenised whole equals the rollout's
-concatenation of the pieces (tests/unit/test_tool_solutions.py).
+concatenation of the pieces (tests/unit/test_tool_solutions.py). The examples keep the pieces
+(SFTExample observations): `megatron-rl sft` tokenizes each on its own and trains on the model's
+text only, the observation in the sequence with loss mask 0, as in RL.
 """
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ def tool_solution_examples(*, num_examples: int, seed: int, config: Mapping[str,
                            exclude_prompts: Collection[str] = (),
                            tool_fraction: float = 0.5) -> list[SFTExample]:
     """`num_examples` SFT examples (distinct prompts, none in `exclude_prompts`), the response a
-    whole trajectory (observations included: `megatron-rl sft` trains on every response token).
+    whole trajectory, its observation a piece of its own (in the sequence, not trained on).
     `tool_fraction` of them, spread evenly (example i calls the tool when floor((i + 1) * f)
     exceeds floor(i * f)), call the tool; the others answer directly."""
     if not 0.0 <= tool_fraction <= 1.0:
@@ -109,6 +111,6 @@ def tool_solution_examples(*, num_examples: int, seed: int, config: Mapping[str,
     examples = []
     for i, record in enumerate(records):
         use_tool = math.floor((i + 1) * tool_fraction) > math.floor(i * tool_fraction)
-        response = "".join(s.text for s in tool_trajectory(record, use_tool=use_tool))
-        examples.append(SFTExample(prompt=record.prompt, response=response))
+        pieces = [(s.text, s.observation) for s in tool_trajectory(record, use_tool=use_tool)]
+        examples.append(SFTExample.from_pieces(record.prompt, pieces))
     return examples

@@ -109,7 +109,7 @@ def test_the_sft_loop_logs_one_line_per_update(tmp_path, capsys):
 
     settings = sft.SFTSettings(hf_checkpoint="unused", data="unused.jsonl",
                                output_dir=str(tmp_path), batch_size=2)
-    encoded = [([1, 2], [3, 4])] * 3
+    encoded = [([1, 2], [3, 4], [1, 1])] * 3
     assert sft._train(_Trainer(), encoded, settings, num_steps=5, output=tmp_path,
                       log=True) == [3.0, 2.0, 1.5, 1.25, 1.0]
     err = capsys.readouterr().err

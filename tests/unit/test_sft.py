@@ -57,13 +57,50 @@ def test_tokenized_batch_masks_exactly_the_response_and_its_eos():
     examples = [SFTExample(prompt="ab", response="xyz"), SFTExample(prompt="abcd", response="q")]
     encoded = tokenize_examples(_CharTokenizer(), examples, max_tokens=16)
     assert encoded[0] == ([1, 4 + ord("a") % 50, 4 + ord("b") % 50],
-                          [4 + ord(c) % 50 for c in "xyz"] + [2])
+                          [4 + ord(c) % 50 for c in "xyz"] + [2], [1, 1, 1, 1])
     batch = sft_batch(encoded, [1, 0])
     assert [t.tolist() for t in batch.loss_mask] == [[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1, 1]]
     assert batch.sample_num_loss_tokens() == [2, 4]  # response + EOS
     assert batch.prompt_ids.tolist() == [0, 1]
     with pytest.raises(ValueError, match="example 0 has 7 tokens, more than 6"):
         tokenize_examples(_CharTokenizer(), examples, max_tokens=6)
+
+
+def test_observation_pieces_are_in_the_sequence_without_loss(tmp_path):
+    """A multi-turn response: {"observation": ...} pieces are tokenized on their own and masked
+    0 (as the rollout's observations), the model's text and EOS 1; the file round-trips."""
+    data = tmp_path / "turns.jsonl"
+    data.write_text(json.dumps({"prompt": "ab", "response": ["xy", {"observation": "OUT"},
+                                                             "z"]}) + "\n"
+                    + json.dumps({"prompt": "p", "response": "plain"}) + "\n")
+    tool, plain = load_sft_examples(data)
+    assert tool.response == "xyOUTz" and tool.observations == ((2, 5),)
+    assert tool.pieces() == [("xy", False), ("OUT", True), ("z", False)]
+    assert plain.observations == () and plain.to_json() == {"prompt": "p", "response": "plain"}
+    save_sft_examples([tool, plain], tmp_path / "again.jsonl")
+    assert load_sft_examples(tmp_path / "again.jsonl") == [tool, plain]
+    assert (tmp_path / "again.jsonl").read_text() == data.read_text()
+
+    def ids(text):
+        return [4 + ord(c) % 50 for c in text]
+
+    encoded = tokenize_examples(_CharTokenizer(), [tool, plain], max_tokens=16)
+    assert encoded[0] == ([1, *ids("ab")], [*ids("xyOUTz"), 2], [1, 1, 0, 0, 0, 1, 1])
+    assert encoded[1][2] == [1] * 6  # no observation: all of the response and EOS
+    batch = sft_batch(encoded, [0])
+    assert batch.loss_mask[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 1, 1]
+    assert batch.sample_num_loss_tokens() == [4]
+    # Refused, each saying what a piece may be.
+    for response, message in (
+            (["x", {"obs": "y"}], r"turns.jsonl:1: response piece 1 is \{\"obs\": \"y\"\}; a "
+                                  r"piece is a string"),
+            ([{"observation": "y"}], "the response is all observation"),
+            ([], r"missing or empty field\(s\) \['response'\]")):
+        data.write_text(json.dumps({"prompt": "p", "response": response}) + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_sft_examples(data)
+    with pytest.raises(ValueError, match="ordered, non-overlapping spans"):
+        SFTExample(prompt="p", response="abc", observations=((1, 2), (1, 3)))
 
 
 def test_batch_order_is_epochs_of_seeded_permutations():
@@ -136,32 +173,42 @@ def demo_model_and_trainer(tmp_path_factory):
 
 
 def _encoded_batch():
-    """Three examples longer than the demo size's 48-token attention chunk."""
+    """Three examples longer than the demo size's 48-token attention chunk; the second has an
+    observation (response tokens 6-14, loss mask 0) between two pieces of the model's text."""
     gen = torch.Generator().manual_seed(1)
     lengths = [(40, 12), (28, 25), (38, 14)]  # (prompt, response incl. EOS)
+    masks = [[1] * 12, [1] * 6 + [0] * 9 + [1] * 10, [1] * 14]
     return [(torch.randint(4, VOCAB, (p,), generator=gen).tolist(),
-             torch.randint(4, VOCAB, (r,), generator=gen).tolist()) for p, r in lengths]
+             torch.randint(4, VOCAB, (r,), generator=gen).tolist(), mask)
+            for (p, r), mask in zip(lengths, masks)]
 
 
 def test_trainer_sft_loss_equals_transformers_cross_entropy_then_falls(demo_model_and_trainer):
     hf_model, trainer = demo_model_and_trainer
     encoded = _encoded_batch()
     losses, masks = [], []
-    for prompt, response in encoded:
+    observed = []
+    for prompt, response, response_mask in encoded:
         ids = torch.tensor([prompt + response])
         with torch.no_grad():
             logits = hf_model(ids).logits[0, :-1].double()
         losses.append(F.cross_entropy(logits, ids[0, 1:], reduction="none"))
-        masks.append(torch.arange(ids.shape[1] - 1) >= len(prompt) - 1)  # predicts a response token
+        # Position i predicts token i + 1: a response token that is not an observation's.
+        targets = torch.tensor([0] * len(prompt) + response_mask)[1:]
+        masks.append(targets == 1)
+        observed.append(torch.tensor([0] * len(prompt) + [1 - m for m in response_mask])[1:] == 1)
     per_token, mask = torch.cat(losses), torch.cat(masks)
     expected = per_token[mask].mean().item()  # token aggregation: mean over response tokens
-    # Not vacuous: averaging over every position (prompt included) gives a number farther from
-    # the expected one than 10x the tolerance of the comparison below.
+    # Not vacuous: averaging over every position (prompt included), or over the response with
+    # its observation, gives a number farther from the expected one than 10x the tolerance of
+    # the comparison below.
     assert abs(per_token.mean().item() - expected) > 1e-4 * expected
+    with_observation = per_token[mask | torch.cat(observed)].mean().item()
+    assert abs(with_observation - expected) > 1e-4 * expected
 
     batch = sft_batch(encoded, range(len(encoded)))
     first = trainer.train_step(batch)
-    assert first.num_loss_tokens == int(mask.sum()) == sum(len(r) for _, r in encoded)
+    assert first.num_loss_tokens == int(mask.sum()) == sum(sum(m) for _, _, m in encoded)
     assert first.loss == pytest.approx(expected, rel=1e-5)
     assert first.mean_ratio == pytest.approx(1.0) and first.clip_fraction == 0.0
     steps = [trainer.train_step(batch) for _ in range(12)]

@@ -71,8 +71,9 @@ def test_tool_trajectory_tokens_join_as_the_rollout_joins_them(records, tokenize
             result = sandbox.run(code)  # the observation is what the real sandbox prints
             assert result.ok, result
             assert observation.text == OBSERVATION_TEMPLATE.format(content=result.stdout)
-            # SFT tokenises the response whole; the rollout concatenates the model's turn, the
-            # rendered observation (encoded without special tokens) and the next turn
+            # The rollout concatenates the model's turn, the rendered observation (encoded
+            # without special tokens) and the next turn, as SFT tokenizes the example's pieces;
+            # no merge crosses a boundary, so the whole text tokenizes the same
             whole = tokenizer.encode(first.text + observation.text + last.text,
                                      add_special_tokens=False)
             pieces = [t for s in (first, observation, last)
@@ -88,6 +89,14 @@ def test_sft_problems_exclude_the_pool_by_text_and_are_deterministic(records):
     assert len({e.prompt for e in examples}) == 40
     assert not pool & {e.prompt for e in examples}
     assert sum(TOOL_CLOSE in e.response for e in examples) == 16  # 40 % call the tool
+    # The observation is a piece of its own (not trained on), the tool's output in the template.
+    for example in examples:
+        observed = [text for text, observation in example.pieces() if observation]
+        if TOOL_CLOSE in example.response:
+            value = example.response.split("<answer>")[1].split("</answer>")[0]
+            assert observed == [OBSERVATION_TEMPLATE.format(content=f"{value}\n")], example
+        else:
+            assert observed == [] and example.observations == (), example
     again = tool_solution_examples(num_examples=40, seed=7, config=CONFIG,
                                    exclude_prompts=pool, tool_fraction=0.4)
     assert again == examples
