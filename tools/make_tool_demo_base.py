@@ -16,9 +16,9 @@ Steps, each deterministic (a rerun on the same machine writes identical files):
 3. Random initialisation from a fixed seed, then the supervised warm-up (`megatron-rl sft`) on
    whole trajectories, "<think>347 * 29</think><tool>print(347 * 29)</tool><output>10063\\n
    </output><answer>10063</answer>", for `tool_fraction` of the problems and direct answers
-   "<think>347 * 29</think><answer>10063</answer>" for the rest; the observation tokens are
-   trained on too (`megatron-rl sft` has no per-token mask inside a response; the model never
-   writes them at RL time: its turn stops at "</tool>" and the environment appends them).
+   "<think>347 * 29</think><answer>10063</answer>" for the rest; the observation is a piece of
+   its own (sft_data.jsonl: {"observation": ...}), in the sequence but not trained on, as at RL
+   time, where the model's turn stops at "</tool>" and the environment appends it.
 4. OUTPUT_DIR/model: the export in bf16, in the layout SGLang serves Llama-4 from.
 
 `--evaluate N` then runs the tool loop itself on N held-out prompts (split_heldout of the pool at
