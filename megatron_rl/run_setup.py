@@ -132,9 +132,10 @@ class RunSetup:
         from megatron_rl.rewards.failures import VerifierFailureCounter
         from megatron_rl.rewards.registry import start_run_verifiers
 
-        self.math_verifier, sandbox, self.registry = start_run_verifiers(self.cfg, self._stack)
+        self.math_verifier, self.sandbox, self.registry = start_run_verifiers(self.cfg,
+                                                                             self._stack)
         self.verifier_failures = VerifierFailureCounter.from_run_config(self.cfg)
-        self.environments = self._environments(sandbox)
+        self.environments = self._environments(self.sandbox)
         self.data = load_run_prompts(self.cfg, self.tokenizer, self.registry, self.environments)
         self.multi_turn = self._multi_turn()
 
@@ -198,14 +199,17 @@ class RunSetup:
 
     def _reserve_open_files(self) -> None:
         """A socket per request in flight (the engines hold the queue, async_client.py): the
-        training groups the staleness bound admits and a validation's requests, at once."""
+        training groups the staleness bound admits and a validation's requests, at once; and
+        the code sandbox's pipes with every worker busy (code rewards and tool calls: one
+        worker per CPU by default, 16 pipe ends a run, 2,304 on a 144-CPU host)."""
         from megatron_rl.rollout.async_client import reserve_open_files
         from megatron_rl.rollout.staleness import StalenessSettings
 
         cfg = self.cfg
         reserve_open_files(StalenessSettings.from_run_config(cfg).max_outstanding_groups
                            * cfg.rollout.samples_per_prompt
-                           + len(self.data.heldout_records) * cfg.eval.samples_per_prompt)
+                           + len(self.data.heldout_records) * cfg.eval.samples_per_prompt,
+                           sandbox_files=self.sandbox.max_open_files())
 
     def _start_checkpoint(self, model_dir: str) -> str:
         """model.hf_checkpoint as a Megatron checkpoint (converted once per run directory)."""

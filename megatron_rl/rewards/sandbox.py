@@ -128,6 +128,13 @@ class SandboxConfig:
         return cls(isolation=run.algorithm.sandbox_isolation, **overrides)
 
 
+def sandbox_open_files(config: SandboxConfig) -> int:
+    """The most file descriptors a Sandbox of `config` holds in its caller's process: NUM_FDS
+    pipes (both ends, until the far ends are handed to the server) for each of num_workers runs
+    at once. A run's driver (megatron-rl train) reserves them beside its requests' sockets."""
+    return config.num_workers * 2 * NUM_FDS
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class FunctionCall:
     """A call of a function the program defines, with plain-data arguments (built-in types)."""
@@ -286,6 +293,11 @@ class Sandbox:
                     _UIDS.release(uid)
         self._warn_about(result)
         return result
+
+    def max_open_files(self) -> int:
+        """The most file descriptors this sandbox holds in its caller's process
+        (`sandbox_open_files` of its config)."""
+        return sandbox_open_files(self.config)
 
     def map(self, requests: Sequence[ExecutionRequest]) -> list[ExecutionResult]:
         """Run many requests concurrently (num_workers at a time); results in request order."""

@@ -60,24 +60,28 @@ CONNECT_TIMEOUT_S = 30.0
 RESERVED_OPEN_FILES = 1024
 
 
-def reserve_open_files(num_requests: int) -> int:
+def reserve_open_files(num_requests: int, *, sandbox_files: int = 0) -> int:
     """Make room for `num_requests` requests in flight at once in this process (one socket
-    each) plus RESERVED_OPEN_FILES: the soft RLIMIT_NOFILE is raised as far as needed (an
-    unprivileged process may, up to the hard limit). Returns the soft limit; a hard limit too
-    low is an error naming the fix."""
+    each), `sandbox_files` (the code sandbox's pipes with all its workers busy:
+    Sandbox.max_open_files) and RESERVED_OPEN_FILES: the soft RLIMIT_NOFILE is raised as far as
+    needed (an unprivileged process may, up to the hard limit). Returns the soft limit; a hard
+    limit too low is an error naming the fix."""
     import resource
 
-    needed = num_requests + RESERVED_OPEN_FILES
+    needed = num_requests + sandbox_files + RESERVED_OPEN_FILES
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return soft
     if hard != resource.RLIM_INFINITY and hard < needed:
+        sandbox = (f", the code sandbox's programs up to {sandbox_files} pipe ends"
+                   if sandbox_files else "")
         raise RuntimeError(
             f"up to {num_requests} generation requests may be in flight at once, one socket "
-            f"each, but this process may open at most {hard} files (hard RLIMIT_NOFILE); raise "
-            f"it to at least {needed} (`ulimit -Hn`, /etc/security/limits.conf, docker run "
-            "--ulimit nofile=...) or lower the requests in flight (rollout.max_off_policyness, "
-            "train.global_batch_size, eval.num_heldout_prompts, eval.samples_per_prompt)")
+            f"each{sandbox}, but this process may open at most {hard} files (hard "
+            f"RLIMIT_NOFILE); raise it to at least {needed} (`ulimit -Hn`, "
+            "/etc/security/limits.conf, docker run --ulimit nofile=...) or lower the requests "
+            "in flight (rollout.max_off_policyness, train.global_batch_size, "
+            "eval.num_heldout_prompts, eval.samples_per_prompt)")
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     return needed
 

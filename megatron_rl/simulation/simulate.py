@@ -61,6 +61,7 @@ def as_simulated(recipe: str, overrides: Sequence[str], *, steps: int | None,
     import resource
 
     from megatron_rl.config import load_config
+    from megatron_rl.rewards.sandbox import SandboxConfig, sandbox_open_files
     from megatron_rl.rollout.async_client import RESERVED_OPEN_FILES
     from megatron_rl.rollout.staleness import StalenessSettings
 
@@ -120,7 +121,9 @@ def as_simulated(recipe: str, overrides: Sequence[str], *, steps: int | None,
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     training = StalenessSettings.from_run_config(cfg).max_outstanding_groups \
         * cfg.rollout.samples_per_prompt
-    room = hard - RESERVED_OPEN_FILES - training
+    # What the driver reserves besides the requests (RunSetup._reserve_open_files).
+    reserved = RESERVED_OPEN_FILES + sandbox_open_files(SandboxConfig.from_run_config(cfg))
+    room = hard - reserved - training
     heldout = cfg.eval.num_heldout_prompts
     if hard != resource.RLIM_INFINITY and heldout * cfg.eval.samples_per_prompt > room > 0:
         fits = max(1, room // cfg.eval.samples_per_prompt)
@@ -133,7 +136,7 @@ def as_simulated(recipe: str, overrides: Sequence[str], *, steps: int | None,
     in_flight = training + min(heldout, max(1, room // cfg.eval.samples_per_prompt)) \
         * cfg.eval.samples_per_prompt
     # Engines in this process hold the other end of every socket: two files a request.
-    child = hard != resource.RLIM_INFINITY and 2 * in_flight + RESERVED_OPEN_FILES > hard
+    child = hard != resource.RLIM_INFINITY and 2 * in_flight + reserved > hard
     if child:
         notices.append(f"the engines run in a child process: {in_flight} requests in flight, "
                        "two open files each in one process, exceed the hard limit of "

@@ -179,6 +179,25 @@ def test_tool_calls_run_on_the_sandboxs_workers_not_the_event_loops_few_threads(
         [f"print({i})" for i in range(parties)]
 
 
+def test_the_sandboxs_open_files_are_what_a_run_opens(sandbox, monkeypatch):
+    """Sandbox.max_open_files (what megatron-rl train reserves beside its requests' sockets) is
+    num_workers x the pipe ends one real run opens in this process (its server already up)."""
+    import megatron_rl.rewards.sandbox as sandbox_module
+
+    assert sandbox.run("pass").ok  # the server's own start (its pipes) is not a run's
+    opened, pipe = [], os.pipe
+
+    def counted():
+        ends = pipe()
+        opened.extend(ends)
+        return ends
+
+    monkeypatch.setattr(sandbox_module.os, "pipe", counted)
+    assert sandbox.run("print(1)").stdout == "1\n"
+    assert len(opened) > 0
+    assert sandbox.max_open_files() == sandbox.config.num_workers * len(opened)
+
+
 def test_a_sandbox_failure_ends_the_trajectory_without_reward(rg_record):
     # A real Sandbox whose server cannot start: what an unreachable server gives (sandbox_error).
     with Sandbox(SandboxConfig(num_workers=1, isolation="auto",

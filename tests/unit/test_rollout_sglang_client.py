@@ -591,10 +591,15 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (RESERVED_OPEN_FILES + 10, 3000))
 assert reserve_open_files(5) == RESERVED_OPEN_FILES + 10  # enough already: unchanged
 assert reserve_open_files(1500) == RESERVED_OPEN_FILES + 1500
 assert resource.getrlimit(resource.RLIMIT_NOFILE) == (RESERVED_OPEN_FILES + 1500, 3000)
+assert reserve_open_files(1500, sandbox_files=64) == RESERVED_OPEN_FILES + 1564
 try:
     reserve_open_files(5000)
 except RuntimeError as error:
     print("LIMIT", error)
+try:
+    reserve_open_files(1000, sandbox_files=2000)
+except RuntimeError as error:
+    print("SANDBOX", error)
 
 async def no_file_left():
     client = AsyncSGLangClient("http://127.0.0.1:9", connection_retries=3, backoff_s=0.01)
@@ -618,6 +623,10 @@ asyncio.run(no_file_left())
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert "up to 5000 generation requests may be in flight" in lines["LIMIT"]
     assert "at most 3000 files (hard RLIMIT_NOFILE)" in lines["LIMIT"]
+    assert "one socket each, the code sandbox's programs up to 2000 pipe ends, but this " \
+        "process may open at most 3000 files" in lines["SANDBOX"]
+    from megatron_rl.rollout.async_client import RESERVED_OPEN_FILES
+    assert f"at least {RESERVED_OPEN_FILES + 3000}" in lines["SANDBOX"]
     assert "raise it to at least" in lines["LIMIT"] and "ulimit -Hn" in lines["LIMIT"]
     assert "DEAD" not in lines
     assert lines["EMFILE"].startswith("0 no socket for a request to http://127.0.0.1:9")
@@ -626,16 +635,20 @@ asyncio.run(no_file_left())
 
 def test_a_run_reserves_a_socket_for_every_request_it_can_have_in_flight(monkeypatch):
     """ScaleRL's defaults: (k + 1) x 48 groups x 16 training requests (k = 8) and a
-    validation's 1000 x 16 requests may all be in flight at once, one socket each."""
+    validation's 1000 x 16 requests may all be in flight at once, one socket each; and the
+    code sandbox's pipes with all its workers busy (3 here: 3 x 8 pipes)."""
     import types
 
     from megatron_rl.config import load_config
+    from megatron_rl.rewards.sandbox import Sandbox, SandboxConfig
     from megatron_rl.rollout import async_client
     from megatron_rl.run_setup import RunSetup
 
     reserved = []
-    monkeypatch.setattr(async_client, "reserve_open_files", reserved.append)
+    monkeypatch.setattr(async_client, "reserve_open_files",
+                        lambda requests, **files: reserved.append((requests, files)))
     run = RunSetup(load_config(None, []))
     run.data = types.SimpleNamespace(heldout_records=[None] * 1000)
+    run.sandbox = Sandbox(SandboxConfig(num_workers=3))  # its server starts at a first run
     run._reserve_open_files()
-    assert reserved == [9 * 48 * 16 + 1000 * 16]
+    assert reserved == [(9 * 48 * 16 + 1000 * 16, {"sandbox_files": 3 * 8 * 2})]

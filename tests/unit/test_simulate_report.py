@@ -269,14 +269,17 @@ def test_the_scout_recipe_as_simulated_here(monkeypatch):
     of its 7100 steps; granularity 64 (32768 / 64 = 512 returned tokens of thinking) with the
     budgets converted; the zero-variance filter off (simulated rewards are all 0); generated
     prompts (the recipe's data/math_prompts.jsonl is not here); and, at a hard limit of 20000
-    open files: (8 + 1) x 48 x 16 = 6912 training requests in flight leave 20000 - 1024 - 6912
-    = 12064 files for validation, 754 prompts x 16 (not 1000), and 2 x (6912 + 754 x 16) + 1024
-    > 20000, so the engines go to a child process."""
+    open files with 4 CPUs (the code sandbox's 4 workers hold up to 4 x 16 pipe ends): (8 + 1) x
+    48 x 16 = 6912 training requests in flight leave 20000 - 1024 - 64 - 6912 = 12000 files for
+    validation, 750 prompts x 16 (not 1000), and 2 x (6912 + 750 x 16) + 1088 > 20000, so the
+    engines go to a child process."""
+    import os
     import resource
 
     from megatron_rl.simulation.simulate import as_simulated
 
     monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 20000))
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
     extra, g, notices, child = as_simulated("examples/llama4_scout/gb200_1rack.yaml", [],
                                             steps=None, granularity=None)
     settings = dict(o.split("=", 1) for o in extra)
@@ -289,8 +292,8 @@ def test_the_scout_recipe_as_simulated_here(monkeypatch):
         "data.prompts": "rg/basic_arithmetic",
         # 48 groups x (27 steps + k 8 + 2) + 1000 held out
         "data.num_generated_prompts": str(48 * 37 + 1000),
-        "eval.num_heldout_prompts": "754"}
-    assert len(notices) == 7 and "754 (not 1000)" in notices[5]
+        "eval.num_heldout_prompts": "750"}
+    assert len(notices) == 7 and "750 (not 1000)" in notices[5]
 
 
 def test_what_the_user_gives_is_kept(monkeypatch):
