@@ -69,6 +69,7 @@ def trajectory_metrics(samples: Sequence, *, samples_per_prompt: int,
     turns = sum(t.turns for t in stats)
     calls, errors = sum(t.tool_calls for t in stats), sum(t.tool_errors for t in stats)
     tool_s = sum(t.tool_seconds for t in stats)
+    tool_run_s = sum(t.tool_run_seconds for t in stats)
     generation_s = sum(t.generation_seconds for t in stats)
     prefill, decode = sum(t.prefill_tokens for t in stats), sum(t.decode_tokens for t in stats)
     observation = sum(t.observation_tokens for t in stats)
@@ -79,6 +80,7 @@ def trajectory_metrics(samples: Sequence, *, samples_per_prompt: int,
         "rollout/tool_calls_total": float(calls),
         "rollout/tool_errors": errors / calls if calls else math.nan,
         "perf/tool_seconds": tool_s,
+        "perf/tool_run_seconds": tool_run_s,
         "perf/generation_seconds": generation_s,
         "perf/tool_to_generation_ratio": tool_s / generation_s if generation_s > 0 else math.nan,
         "rollout/prefill_tokens": float(prefill),

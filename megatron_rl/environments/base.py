@@ -45,7 +45,7 @@ class StepResult:
     reward: RewardResult | None = None  # the trajectory's verdict; required when done
     tool_calls: int = 0  # calls the turn made
     tool_errors: int = 0  # of those, failed / timed out / over a limit (an observation)
-    tool_seconds: float = 0.0  # wall time spent running them
+    tool_seconds: float = 0.0  # wall time they ran (not waiting to run): perf/tool_run_seconds
 
     def __post_init__(self) -> None:
         if self.done and self.reward is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 from megatron_rl.data.records import PromptRecord
 from megatron_rl.environments.base import Environment, EnvironmentSession, StepResult
@@ -123,12 +122,11 @@ class _ToolSession(EnvironmentSession):
             text = "".join(self._turns)
             reward = await asyncio.to_thread(confined_grade, self._env.grade, text, self._record)
             return StepResult(done=True, reward=reward)
-        start = time.monotonic()
         # On the sandbox's num_workers threads, not the event loop's few (min(32, CPUs + 4)),
         # which the rollout's scoring shares: thousands of trajectories call at once at scale.
         result = await asyncio.wrap_future(self._env.sandbox.submit(
             ExecutionRequest(program=code, limits=self._env.limits)))
-        seconds = time.monotonic() - start
+        seconds = result.wall_time_s  # the program's, not its wait for a worker
         if result.status == "sandbox_error":  # the sandbox failed, not the program: no verdict
             return StepResult(done=True, tool_calls=1, tool_errors=1, tool_seconds=seconds,
                               reward=make_result(Reason.SANDBOX_ERROR, RewardScale(),

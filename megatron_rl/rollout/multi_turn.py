@@ -80,6 +80,18 @@ class TrajectoryStats:
     prefill_tokens: int  # sum over requests of input - cached (input when cached unknown)
     cached_tokens: int  # sum over requests of the prefix-cache hits reported
     requests: int  # generation requests that returned tokens or finished
+    # The tools' own run time (StepResult.tool_seconds): tool_seconds less it is the time in
+    # session.step spent otherwise, e.g. waiting for a sandbox worker, or grading.
+    tool_run_seconds: float = 0.0
+
+    def __setstate__(self, state) -> None:
+        """Unpickle, also a checkpoint's stats written before tool_run_seconds (one value
+        fewer: the later fields take their defaults)."""
+        fields = dataclasses.fields(self)
+        for field, value in zip(fields, state):
+            object.__setattr__(self, field.name, value)
+        for field in fields[len(state):]:
+            object.__setattr__(self, field.name, field.default)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,11 +187,11 @@ async def _trajectory(generate_one: GenerateOne, prompt: tuple[int, ...], *, ses
     segments: list[Segment] = []
     history: tuple[int, ...] = ()  # completion tokens so far: turns and observations
     turns = tool_calls = tool_errors = observation_tokens = 0
-    tool_seconds = generation_seconds = 0.0
+    tool_seconds = tool_run_seconds = generation_seconds = 0.0
     interrupted, budgets, finish = False, [], "stop"
 
     async def step(text: str, final: bool):
-        nonlocal tool_calls, tool_errors, tool_seconds
+        nonlocal tool_calls, tool_errors, tool_seconds, tool_run_seconds
         started = time.perf_counter()
         try:
             answer = await _within(session.step(text, final=final), settings.step_timeout_s,
@@ -192,6 +204,7 @@ async def _trajectory(generate_one: GenerateOne, prompt: tuple[int, ...], *, ses
             tool_seconds += time.perf_counter() - started
         tool_calls += answer.tool_calls
         tool_errors += answer.tool_errors
+        tool_run_seconds += answer.tool_seconds
         if final and not answer.done:
             return None, _failure("the environment did not end the trajectory on its final step "
                                   "(step(..., final=True) must answer done with a reward)")
@@ -237,6 +250,7 @@ async def _trajectory(generate_one: GenerateOne, prompt: tuple[int, ...], *, ses
         offset += len(segment.token_ids)
     stats = TrajectoryStats(
         turns=turns, tool_calls=tool_calls, tool_errors=tool_errors, tool_seconds=tool_seconds,
+        tool_run_seconds=tool_run_seconds,
         generation_seconds=generation_seconds,
         decode_tokens=sum(len(s.token_ids) for s in segments if s.sampled),
         observation_tokens=observation_tokens, prefill_tokens=prefill, cached_tokens=cached,

@@ -86,8 +86,11 @@ def test_tool_use_trajectories_with_in_flight_updates(tmp_path):
     assert max(metrics["rollout/turns_per_trajectory"].values()) > 1.0
     assert sum(metrics["rollout/tool_calls_total"].values()) > 0
     for tag in ("rollout/prefill_share", "cost/prefill_share", "rollout/observation_tokens",
-                "perf/tool_seconds", "perf/generation_seconds"):
+                "perf/tool_seconds", "perf/tool_run_seconds", "perf/generation_seconds"):
         assert sorted(metrics[tag]) == steps, tag
+    # The programs' own time is part of the time in step (which adds waits and grading).
+    run_s, step_s = metrics["perf/tool_run_seconds"], metrics["perf/tool_seconds"]
+    assert sum(run_s.values()) > 0 and all(run_s[s] <= step_s[s] for s in steps), (run_s, step_s)
     mean, peak = metrics["train/logp_mismatch_mean"], metrics["train/logp_mismatch_max"]
     assert sorted(mean) == steps, mean
     for step in steps:

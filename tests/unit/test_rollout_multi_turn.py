@@ -87,9 +87,9 @@ def decode(ids):
     return " ".join(map(str, ids))
 
 
-def observe(content, calls=1, errors=0):
+def observe(content, calls=1, errors=0, seconds=0.0):
     return StepResult(done=False, observation=({"role": "tool", "content": content},),
-                      tool_calls=calls, tool_errors=errors)
+                      tool_calls=calls, tool_errors=errors, tool_seconds=seconds)
 
 
 def done(result=CORRECT):
@@ -111,7 +111,8 @@ def run(script, session, turn_settings=None, interruption=PLAIN, fmt=None):
 def test_three_turns_are_one_sample_with_observations_masked_and_ids_carried():
     script = Script(((10, 11, STOP), "stop", 0, 0), ((20, EOS), "stop", 0, 2),
                     ((21, 22), "stop", 0, 8))
-    session = Session(observe("40 41", calls=1, errors=1), observe("42"), done())
+    session = Session(observe("40 41", calls=1, errors=1, seconds=0.25),
+                      observe("42", seconds=0.5), done())
     fmt = Format()
     sample, result = run(script, session, fmt=fmt)
     assert result == CORRECT
@@ -135,6 +136,7 @@ def test_three_turns_are_one_sample_with_observations_masked_and_ids_carried():
     assert session.closed == 1
     stats = sample.trajectory
     assert (stats.turns, stats.tool_calls, stats.tool_errors, stats.requests) == (3, 2, 1, 3)
+    assert stats.tool_run_seconds == 0.75  # the environment's own figures, summed
     assert (stats.decode_tokens, stats.observation_tokens) == (7, 4)
     # input - cached per request: (2 - 0) + (8 - 2) + (11 - 8); cached 0 + 2 + 8
     assert (stats.prefill_tokens, stats.cached_tokens) == (11, 10)
@@ -328,6 +330,13 @@ def test_a_trajectory_sample_pickles_and_its_stats_serialise():
                     settings(max_turns=1))
     assert pickle.loads(pickle.dumps(sample)) == sample
     assert json.loads(json.dumps(dataclasses.asdict(sample.trajectory)))["turns"] == 1
+    # Stats pickled before tool_run_seconds (a checkpoint's buffered groups) load, with 0.0.
+    stats = sample.trajectory
+    old = stats.__getstate__()[:-1]
+    assert len(old) == len(dataclasses.fields(stats)) - 1
+    loaded = object.__new__(type(stats))
+    loaded.__setstate__(old)
+    assert loaded == dataclasses.replace(stats, tool_run_seconds=0.0)
 
 
 def test_a_trajectory_trains_as_one_sequence_with_observation_masks_and_merged_routing():

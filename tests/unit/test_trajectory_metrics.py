@@ -30,6 +30,7 @@ class Stats:  # the fields of rollout/multi_turn.py TrajectoryStats
     prefill_tokens: int
     cached_tokens: int
     requests: int
+    tool_run_seconds: float = 0.0
 
 
 def _sample(trajectory, *, prompt_tokens=10, completion_tokens=5, index=0):
@@ -44,7 +45,7 @@ def _sample(trajectory, *, prompt_tokens=10, completion_tokens=5, index=0):
 # (no trajectory) beside them counts in none of the trajectory metrics.
 FOUR_TURNS = Stats(turns=4, tool_calls=2, tool_errors=1, tool_seconds=0.5,
                    generation_seconds=2.0, decode_tokens=30, observation_tokens=30,
-                   prefill_tokens=40, cached_tokens=60, requests=4)
+                   prefill_tokens=40, cached_tokens=60, requests=4, tool_run_seconds=0.125)
 ONE_TURN = Stats(turns=1, tool_calls=0, tool_errors=0, tool_seconds=0.0, generation_seconds=1.0,
                  decode_tokens=10, observation_tokens=0, prefill_tokens=10, cached_tokens=0,
                  requests=1)
@@ -60,6 +61,7 @@ def test_trajectory_metrics_by_hand():
         "rollout/tool_calls_total": 2.0,
         "rollout/tool_errors": 0.5,                  # 1 failed of 2 calls
         "perf/tool_seconds": 0.5,
+        "perf/tool_run_seconds": 0.125,
         "perf/generation_seconds": 3.0,
         "perf/tool_to_generation_ratio": 0.5 / 3.0,
         "rollout/prefill_tokens": 50.0,
