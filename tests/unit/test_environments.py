@@ -95,8 +95,11 @@ def test_a_tool_trajectory_runs_its_calls_and_grades_the_models_turns(sandbox, r
 
 
 def test_failed_calls_are_observations(sandbox, rg_record):
-    raised, looped = _steps(_tool_env(sandbox, ToolSettings(wall_time_s=0.5)), rg_record, [
-        "<tool>print('partial')\nraise ValueError('bad input')</tool>",
+    # The default 5 s for a program that fails at once (an interpreter's start under load
+    # passed 0.5 s once, in the suite); 0.5 s for one that sleeps 2 s.
+    (raised,) = _steps(_tool_env(sandbox), rg_record, [
+        "<tool>print('partial')\nraise ValueError('bad input')</tool>"])
+    (looped,) = _steps(_tool_env(sandbox, ToolSettings(wall_time_s=0.5)), rg_record, [
         "<tool>import time\ntime.sleep(2)\nprint('finished')</tool>"])
     long_output, long_error = _steps(_tool_env(sandbox, ToolSettings(max_output_chars=10)),
                                      rg_record, [
