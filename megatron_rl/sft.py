@@ -11,8 +11,9 @@ the text with the tokenizer's special tokens, e.g. BOS); the response follows as
 plus EOS, and only those carry loss, so the model learns to continue exactly the token sequence
 the generators will give it. A multi-turn response's observations (a tool's output: pieces
 {"observation": ...}, megatron_rl/data/sft_examples.py) are in the sequence with loss mask 0, as
-in RL: the model reads them and never learns to write them. `--exclude-prompts FILE` names a prompt file (an RL run's prompts)
-whose prompts must never be trained on: rg data skips them, a .jsonl containing any is refused.
+in RL: the model reads them and never learns to write them. `--exclude-prompts FILE` names a
+prompt file (an RL run's prompts) whose prompts must never be trained on: rg data skips them, a
+.jsonl containing any is refused.
 
 Batches are `batch_size` examples per optimizer step, drawn epoch by epoch in an order fixed by
 `seed`; with the same inputs and settings on the same machine, a rerun writes identical weights.
@@ -164,18 +165,14 @@ def tokenize_examples(tokenizer, examples: Sequence[SFTExample], *,
     encoded = []
     for index, example in enumerate(examples):
         prompt = prompt_token_ids(tokenizer, example.prompt)
-        if not example.observations:  # one piece: tokenized whole, as before pieces existed
-            response = list(tokenizer.encode(example.response, add_special_tokens=False))
-            mask = [1] * len(response)
-        else:
-            response, mask = [], []
-            for text, observation in example.pieces():
-                ids = list(tokenizer.encode(text, add_special_tokens=False))
-                response += ids
-                mask += [0 if observation else 1] * len(ids)
-            if not any(mask):
-                raise ValueError(f"example {index}: the model's text of the response encodes "
-                                 "to no tokens; only its observations do")
+        response, mask = [], []
+        for text, observation in example.pieces():  # one piece without observations
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            response += ids
+            mask += [0 if observation else 1] * len(ids)
+        if example.observations and not any(mask):
+            raise ValueError(f"example {index}: the model's text of the response encodes to no "
+                             "tokens; only its observations do")
         response.append(eos)
         mask.append(1)
         if not prompt:
